@@ -1,0 +1,76 @@
+//! A byte budget (VRAM limit) enforced before the wrapped resource is asked.
+
+use super::forward_stream_ops;
+use crate::error::{Error, Result};
+use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Refuses allocations that would take the bytes obtained through it past `limit`.
+#[derive(Debug)]
+pub struct Limit {
+    inner: Arc<dyn Backend>,
+    limit: u64,
+    used: AtomicU64,
+}
+
+impl Limit {
+    /// Budget `limit` bytes over `inner`.
+    pub fn new(inner: Arc<dyn Backend>, limit: u64) -> Self {
+        Self {
+            inner,
+            limit,
+            used: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes obtained through this adaptor and not yet returned.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+impl Resource for Limit {
+    fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        let b = bytes as u64;
+        let before = self.used.fetch_add(b, Ordering::Relaxed);
+        if before.saturating_add(b) > self.limit {
+            self.used.fetch_sub(b, Ordering::Relaxed);
+            return Err(Error::ResourceExhausted {
+                resource: format!("{} (budget of {} bytes)", self.inner.name(), self.limit),
+                bytes: b,
+            });
+        }
+        self.inner.allocate(stream, bytes, align).inspect_err(|_| {
+            self.used.fetch_sub(b, Ordering::Relaxed);
+        })
+    }
+
+    fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()> {
+        self.inner.deallocate(ptr, bytes, stream)?;
+        self.used.fetch_sub(bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let m = self.inner.mem_info()?;
+        Ok(MemInfo {
+            free: m.free.min(self.limit.saturating_sub(self.used())),
+            total: m.total,
+        })
+    }
+
+    fn limit(&self) -> Option<u64> {
+        Some(self.limit)
+    }
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn location(&self) -> Location {
+        self.inner.location()
+    }
+}
+
+forward_stream_ops!(Limit, |s| s.inner);

@@ -1,0 +1,74 @@
+//! Adaptors: resources that wrap another resource and add one concern (RMM style).
+//!
+//! - [`Limit`]: a byte budget enforced before the wrapped resource is asked;
+//! - [`Tracking`]: remembers every live allocation for leak reports.
+
+mod limit;
+mod tracking;
+
+pub use limit::Limit;
+pub use tracking::{Leak, Tracking};
+
+/// Implement [`crate::resource::StreamOps`] for `$ty` by forwarding to the backend `$inner`
+/// (an expression over `self` that yields something implementing `StreamOps`).
+macro_rules! forward_stream_ops {
+    ($ty:ty, |$s:ident| $inner:expr) => {
+        impl $crate::resource::StreamOps for $ty {
+            fn record_event(
+                &self,
+                stream: $crate::resource::Stream,
+            ) -> $crate::error::Result<$crate::resource::Event> {
+                let $s = self;
+                $inner.record_event(stream)
+            }
+            fn event_done(&self, event: $crate::resource::Event) -> $crate::error::Result<bool> {
+                let $s = self;
+                $inner.event_done(event)
+            }
+            fn sync_event(&self, event: $crate::resource::Event) -> $crate::error::Result<()> {
+                let $s = self;
+                $inner.sync_event(event)
+            }
+            fn wait_event(
+                &self,
+                stream: $crate::resource::Stream,
+                event: $crate::resource::Event,
+            ) -> $crate::error::Result<()> {
+                let $s = self;
+                $inner.wait_event(stream, event)
+            }
+            fn destroy_event(&self, event: $crate::resource::Event) {
+                let $s = self;
+                $inner.destroy_event(event)
+            }
+            fn synchronize(&self, stream: $crate::resource::Stream) -> $crate::error::Result<()> {
+                let $s = self;
+                $inner.synchronize(stream)
+            }
+            unsafe fn copy(
+                &self,
+                dst: $crate::resource::DevPtr,
+                src: $crate::resource::DevPtr,
+                bytes: usize,
+                kind: $crate::resource::CopyKind,
+                stream: $crate::resource::Stream,
+            ) -> $crate::error::Result<()> {
+                let $s = self;
+                // SAFETY: forwarded under the caller's guarantees (trait contract).
+                unsafe { $inner.copy(dst, src, bytes, kind, stream) }
+            }
+            unsafe fn memset(
+                &self,
+                dst: $crate::resource::DevPtr,
+                value: u8,
+                bytes: usize,
+                stream: $crate::resource::Stream,
+            ) -> $crate::error::Result<()> {
+                let $s = self;
+                // SAFETY: forwarded under the caller's guarantees (trait contract).
+                unsafe { $inner.memset(dst, value, bytes, stream) }
+            }
+        }
+    };
+}
+pub(crate) use forward_stream_ops;

@@ -1,0 +1,351 @@
+//! The thread-safe caching allocator: shards of [`CachingPool`] over one backend.
+//!
+//! Each thread uses one shard (assigned round-robin on first use), so threads on different
+//! shards never contend for a lock; PyTorch's allocator takes one mutex per device. A free goes
+//! back to the shard that made the block, from any thread. When a shard runs out of memory it
+//! first asks every other shard to release its cached segments, then retries.
+
+use crate::adaptor::Limit;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::pool::summary::memory_summary;
+use crate::pool::{CachingPool, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
+use crate::resource::host::HostResource;
+use crate::resource::sim::SimulatedDevice;
+use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A cache line of its own, so that shard locks do not share one.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+static NEXT_THREAD_SLOT: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static THREAD_SLOT: usize = NEXT_THREAD_SLOT.fetch_add(1, Ordering::Relaxed);
+}
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    shards: Box<[Padded<Mutex<CachingPool>>]>,
+    shared: Arc<SharedCounters>,
+    config: Config,
+}
+
+/// A block handed out by [`CachingAllocator::allocate`]. Give it back with
+/// [`CachingAllocator::deallocate`]; typed buffers do that on drop.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "an allocation that is never deallocated stays reserved"]
+pub struct Allocation {
+    ptr: DevPtr,
+    size: usize,
+    stream: Stream,
+    shard: u32,
+}
+
+impl Allocation {
+    /// Device address.
+    pub fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+    /// Bytes requested.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    /// Stream the block was allocated on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+}
+
+/// The caching device allocator. Cheap to clone (all clones share the pools).
+#[derive(Clone)]
+pub struct CachingAllocator {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("backend", &self.inner.backend.name())
+            .field("shards", &self.inner.shards.len())
+            .finish()
+    }
+}
+
+impl CachingAllocator {
+    /// A caching allocator over `backend`. A `memory_fraction` or `memory_limit_mb` in the
+    /// configuration wraps the backend in a [`Limit`] budget.
+    pub fn new(backend: Arc<dyn Backend>, config: Config) -> Result<Self> {
+        let backend: Arc<dyn Backend> = match budget(&*backend, &config)? {
+            Some(limit) => Arc::new(Limit::new(backend, limit)),
+            None => backend,
+        };
+        let shared = Arc::new(SharedCounters::default());
+        let shards = (0..config.shard_count())
+            .map(|_| {
+                Padded(Mutex::new(CachingPool::new(
+                    backend.clone(),
+                    &config,
+                    shared.clone(),
+                )))
+            })
+            .collect();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                backend,
+                shards,
+                shared,
+                config,
+            }),
+        })
+    }
+
+    /// Over plain host memory.
+    pub fn host(config: Config) -> Result<Self> {
+        Self::new(Arc::new(HostResource::new()), config)
+    }
+
+    /// Over a simulated device of `capacity` bytes; also returns the device for inspection.
+    pub fn simulated(capacity: u64, config: Config) -> Result<(Self, Arc<SimulatedDevice>)> {
+        let dev = Arc::new(SimulatedDevice::new(capacity));
+        Ok((Self::new(dev.clone(), config)?, dev))
+    }
+
+    /// Over CUDA device `ordinal` (primary context), with `backend:` from the configuration
+    /// choosing cuMemAlloc or a cudaMallocAsync pool.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(ordinal: usize, config: Config) -> Result<Self> {
+        use crate::config::BackendKind;
+        use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
+        let backend: Arc<dyn Backend> = match config.backend {
+            BackendKind::Native => Arc::new(CudaDevice::new(ordinal)?),
+            BackendKind::CudaMallocAsync => {
+                Arc::new(CudaAsyncPool::new(ordinal, config.release_threshold)?)
+            }
+        };
+        Self::new(backend, config)
+    }
+
+    /// CUDA device 0 where a GPU is usable, else the host backend; configured from
+    /// `GPUMEM_CONF`.
+    pub fn from_env() -> Result<Self> {
+        let config = Config::from_env()?;
+        #[cfg(feature = "cuda")]
+        if crate::device::cuda_available() {
+            return Self::cuda(0, config);
+        }
+        Self::host(config)
+    }
+
+    #[inline]
+    fn shard_index(&self) -> usize {
+        let n = self.inner.shards.len();
+        if n == 1 {
+            0
+        } else {
+            THREAD_SLOT.with(|s| *s) % n
+        }
+    }
+
+    #[inline]
+    fn shard(&self, i: usize) -> MutexGuard<'_, CachingPool> {
+        self.inner.shards[i].0.lock()
+    }
+
+    /// Allocate `bytes` bytes on `stream`, aligned to `align` (a power of two up to 512).
+    #[inline]
+    pub fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<Allocation> {
+        let i = self.shard_index();
+        let single = self.inner.shards.len() == 1;
+        let r = self.shard(i).allocate_inner(stream, bytes, align, single);
+        let r = match r {
+            Err(e) if !single && e.is_out_of_memory() => {
+                self.allocate_after_reclaim(i, stream, bytes, align)
+            }
+            r => r,
+        };
+        r.map(|a| Allocation {
+            ptr: a.addr,
+            size: bytes,
+            stream,
+            shard: i as u32,
+        })
+    }
+
+    /// Out of memory in shard `i`: release the other shards' caches and retry once.
+    #[cold]
+    fn allocate_after_reclaim(
+        &self,
+        i: usize,
+        stream: Stream,
+        bytes: usize,
+        align: usize,
+    ) -> Result<crate::pool::PoolAlloc> {
+        for j in (0..self.inner.shards.len()).filter(|&j| j != i) {
+            self.shard(j).release_cached();
+        }
+        let r = self.shard(i).allocate_inner(stream, bytes, align, true);
+        match r {
+            Err(Error::OutOfMemory(mut report)) => {
+                let stats = self.stats();
+                report.reserved = stats.reserved_bytes.all.current;
+                report.allocated = stats.allocated_bytes.all.current;
+                report.largest_free_block = (0..self.inner.shards.len())
+                    .map(|j| self.shard(j).largest_free_block())
+                    .max()
+                    .unwrap_or(0);
+                Err(Error::OutOfMemory(report))
+            }
+            r => r,
+        }
+    }
+
+    /// Return an allocation; it is reused in order on its stream.
+    #[inline]
+    pub fn deallocate(&self, a: Allocation) -> Result<()> {
+        self.shard(a.shard as usize).free(a.ptr)
+    }
+
+    /// Return a block by its address alone (the C ABI path): unknown pointers and double frees
+    /// are errors, never undefined behaviour.
+    pub fn deallocate_ptr(&self, ptr: DevPtr) -> Result<()> {
+        let first = self.shard_index();
+        let mut err = None;
+        for j in std::iter::once(first).chain((0..self.inner.shards.len()).filter(|&j| j != first))
+        {
+            match self.shard(j).free(ptr) {
+                Ok(()) => return Ok(()),
+                Err(e @ Error::DoubleFree { .. }) => err = Some(e),
+                Err(_) => {}
+            }
+        }
+        Err(err.unwrap_or(Error::UnknownPointer { ptr }))
+    }
+
+    /// Mark a live block as used by `stream` too (PyTorch's `record_stream`).
+    pub fn record_stream(&self, a: &Allocation, stream: Stream) -> Result<()> {
+        self.shard(a.shard as usize).record_stream(a.ptr, stream)
+    }
+
+    /// [`CachingAllocator::record_stream`] by address.
+    pub fn record_stream_ptr(&self, ptr: DevPtr, stream: Stream) -> Result<()> {
+        for j in 0..self.inner.shards.len() {
+            let mut s = self.shard(j);
+            if s.owns(ptr) {
+                return s.record_stream(ptr, stream);
+            }
+        }
+        Err(Error::UnknownPointer { ptr })
+    }
+
+    /// Release every unused cached segment to the device; returns the bytes released.
+    pub fn empty_cache(&self) -> u64 {
+        (0..self.inner.shards.len())
+            .map(|j| self.shard(j).empty_cache())
+            .sum()
+    }
+
+    /// Pre-populate the calling thread's shard with blocks of the given sizes.
+    pub fn reserve(&self, stream: Stream, sizes: &[usize]) -> Result<()> {
+        self.shard(self.shard_index()).reserve(stream, sizes)
+    }
+
+    /// Statistics over all shards. Currents and totals are exact; `reserved_bytes.all.peak` is
+    /// exact; other peaks are exact with one shard in use, an upper bound otherwise.
+    pub fn stats(&self) -> Stats {
+        let mut total = Stats::default();
+        for j in 0..self.inner.shards.len() {
+            total.merge(self.shard(j).stats());
+        }
+        total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
+        total
+    }
+
+    /// Set every peak to its current value.
+    pub fn reset_peak(&self) {
+        for j in 0..self.inner.shards.len() {
+            self.shard(j).reset_peak();
+        }
+        let now = self.inner.shared.reserved.load(Ordering::Relaxed);
+        self.inner
+            .shared
+            .peak_reserved
+            .store(now, Ordering::Relaxed);
+    }
+
+    /// A text table like `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        let title = format!(
+            "{} backend, {} shard(s)",
+            self.inner.backend.name(),
+            self.inner.shards.len()
+        );
+        memory_summary(&title, &self.stats())
+    }
+
+    /// All segments of all shards.
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        (0..self.inner.shards.len())
+            .flat_map(|j| self.shard(j).segments())
+            .collect()
+    }
+
+    /// Check each shard's invariants (tests).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        (0..self.inner.shards.len()).try_for_each(|j| self.shard(j).check_invariants())
+    }
+
+    /// The backend (with its budget adaptor, if any).
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Number of shards.
+    pub fn shard_count(&self) -> usize {
+        self.inner.shards.len()
+    }
+}
+
+/// The byte budget a configuration asks for, if any.
+fn budget(backend: &dyn Backend, config: &Config) -> Result<Option<u64>> {
+    let from_fraction = match config.memory_fraction {
+        Some(f) => Some((backend.mem_info()?.total as f64 * f) as u64),
+        None => None,
+    };
+    Ok(match (from_fraction, config.memory_limit) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    })
+}
+
+/// The allocator is itself a resource, so adaptors compose over it (RMM style).
+impl Resource for CachingAllocator {
+    fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        let a = CachingAllocator::allocate(self, stream, bytes, align.min(MAX_ALIGN))?;
+        Ok(a.ptr)
+    }
+    fn deallocate(&self, ptr: DevPtr, _bytes: usize, _stream: Stream) -> Result<()> {
+        self.deallocate_ptr(ptr)
+    }
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.inner.backend.mem_info()
+    }
+    fn limit(&self) -> Option<u64> {
+        self.inner.backend.limit()
+    }
+    fn name(&self) -> &str {
+        "gpumem"
+    }
+    fn location(&self) -> Location {
+        self.inner.backend.location()
+    }
+}
+
+crate::adaptor::forward_stream_ops!(CachingAllocator, |s| s.inner.backend);

@@ -1,0 +1,457 @@
+//! Typed RAII buffers.
+//!
+//! [`DeviceBuffer<T>`] holds `len` elements of a plain-old-data `T` in pool memory, returns its
+//! block to the pool on drop (ordered on its stream), and checks every index and range. With
+//! the `cuda` feature, `&DeviceBuffer<T>`, `&mut DeviceBuffer<T>` and their slices are cudarc
+//! kernel arguments (`stream.launch_builder(&f).arg(&buf)`): launch on the buffer's stream, or
+//! call [`DeviceBuffer::record_stream`] for another stream.
+
+use crate::allocator::{Allocation, CachingAllocator};
+use crate::error::{Error, Result};
+use crate::pool::MAX_ALIGN;
+use crate::resource::{CopyKind, DevPtr, Stream, StreamOps};
+use bytemuck::Pod;
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+
+/// A typed buffer in pool memory.
+pub struct DeviceBuffer<T: Pod> {
+    alloc: CachingAllocator,
+    block: Option<Allocation>,
+    /// Device address; kernel arguments point at this field.
+    ptr: DevPtr,
+    len: usize,
+    stream: Stream,
+    _t: PhantomData<T>,
+}
+
+impl<T: Pod> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}
+
+/// A read-only view of part of a [`DeviceBuffer`].
+#[derive(Debug)]
+pub struct DeviceSlice<'a, T: Pod> {
+    buf: &'a DeviceBuffer<T>,
+    ptr: DevPtr,
+    len: usize,
+}
+
+/// A writable view of part of a [`DeviceBuffer`].
+#[derive(Debug)]
+pub struct DeviceSliceMut<'a, T: Pod> {
+    buf: &'a mut DeviceBuffer<T>,
+    ptr: DevPtr,
+    len: usize,
+}
+
+fn bytes_of_len<T>(len: usize) -> Result<usize> {
+    len.checked_mul(std::mem::size_of::<T>())
+        .ok_or(Error::SizeTooLarge {
+            requested: u64::MAX,
+            max: crate::pool::size::MAX_REQUEST,
+        })
+}
+
+fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => Some(s),
+        Bound::Excluded(&s) => s.checked_add(1),
+        Bound::Unbounded => Some(0),
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1),
+        Bound::Excluded(&e) => Some(e),
+        Bound::Unbounded => Some(len),
+    };
+    match (start, end) {
+        (Some(s), Some(e)) if s <= e && e <= len => Ok((s, e)),
+        (s, e) => Err(Error::OutOfBounds {
+            what: format!("range {s:?}..{e:?}"),
+            len,
+        }),
+    }
+}
+
+/// Device → host copy of `dst.len()` elements at `src`, waiting for it to finish.
+fn read_into<T: Pod>(
+    ops: &dyn StreamOps,
+    stream: Stream,
+    src: DevPtr,
+    dst: &mut [T],
+) -> Result<()> {
+    if dst.is_empty() {
+        return Ok(());
+    }
+    let bytes = std::mem::size_of_val(dst);
+    // SAFETY: `src` addresses at least `bytes` bytes of a live block (callers check bounds);
+    // `dst` is a unique borrow of exactly `bytes` bytes and we synchronise before returning.
+    unsafe {
+        ops.copy(
+            dst.as_mut_ptr() as DevPtr,
+            src,
+            bytes,
+            CopyKind::DeviceToHost,
+            stream,
+        )?;
+    }
+    ops.synchronize(stream)
+}
+
+/// Host → device copy of `src` to `dst`, waiting for it to finish.
+fn write_from<T: Pod>(ops: &dyn StreamOps, stream: Stream, dst: DevPtr, src: &[T]) -> Result<()> {
+    if src.is_empty() {
+        return Ok(());
+    }
+    let bytes = std::mem::size_of_val(src);
+    // SAFETY: `dst` addresses at least `bytes` bytes of a live block the caller borrows
+    // mutably; `src` is borrowed for the call and we synchronise before returning.
+    unsafe {
+        ops.copy(
+            dst,
+            src.as_ptr() as DevPtr,
+            bytes,
+            CopyKind::HostToDevice,
+            stream,
+        )?;
+    }
+    ops.synchronize(stream)
+}
+
+fn check_len(expected: usize, got: usize) -> Result<()> {
+    if expected != got {
+        return Err(Error::LengthMismatch { expected, got });
+    }
+    Ok(())
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// `len` elements from `alloc` on `stream`. The contents are whatever the block last held
+    /// (zeros for fresh host memory); use [`DeviceBuffer::zeroed`] for defined contents.
+    pub fn alloc(alloc: &CachingAllocator, stream: Stream, len: usize) -> Result<Self> {
+        let bytes = bytes_of_len::<T>(len)?;
+        let block = if bytes == 0 {
+            None
+        } else {
+            Some(alloc.allocate(stream, bytes, MAX_ALIGN)?)
+        };
+        Ok(Self {
+            alloc: alloc.clone(),
+            ptr: block.as_ref().map_or(0, |b| b.ptr()),
+            block,
+            len,
+            stream,
+            _t: PhantomData,
+        })
+    }
+
+    /// `len` zeroed elements.
+    pub fn zeroed(alloc: &CachingAllocator, stream: Stream, len: usize) -> Result<Self> {
+        let b = Self::alloc(alloc, stream, len)?;
+        if b.len > 0 {
+            // SAFETY: the block is ours and holds `num_bytes` bytes.
+            unsafe { b.ops().memset(b.ptr, 0, b.num_bytes(), stream)? };
+        }
+        Ok(b)
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice(alloc: &CachingAllocator, stream: Stream, data: &[T]) -> Result<Self> {
+        let mut b = Self::alloc(alloc, stream, data.len())?;
+        b.copy_from_host(data)?;
+        Ok(b)
+    }
+
+    fn ops(&self) -> &dyn StreamOps {
+        &self.alloc
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The stream the buffer is ordered on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// The raw device address (0 for an empty buffer).
+    pub fn device_ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    /// The allocator the buffer came from.
+    pub fn allocator(&self) -> &CachingAllocator {
+        &self.alloc
+    }
+
+    /// Copy `src` (same length) in and wait for the copy.
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        check_len(self.len, src.len())?;
+        write_from(self.ops(), self.stream, self.ptr, src)
+    }
+
+    /// Copy the contents out to `dst` (same length) and wait for the copy.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        read_into(self.ops(), self.stream, self.ptr, dst)
+    }
+
+    /// Queue a copy of `src` in on the buffer's stream and return at once.
+    ///
+    /// # Safety
+    /// `src` must stay alive and unmodified until the stream has executed the copy (for
+    /// example until [`DeviceBuffer::synchronize`]).
+    pub unsafe fn copy_from_host_async(&mut self, src: &[T]) -> Result<()> {
+        check_len(self.len, src.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the block holds `num_bytes`; `src`'s lifetime is the caller's promise.
+        unsafe {
+            self.ops().copy(
+                self.ptr,
+                src.as_ptr() as DevPtr,
+                self.num_bytes(),
+                CopyKind::HostToDevice,
+                self.stream,
+            )
+        }
+    }
+
+    /// Queue a copy of the contents out to `dst` on the buffer's stream and return at once.
+    ///
+    /// # Safety
+    /// `dst` must stay alive and must not be read or written until the stream has executed
+    /// the copy (for example until [`DeviceBuffer::synchronize`]).
+    pub unsafe fn copy_to_host_async(&self, dst: &mut [T]) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the block holds `num_bytes`; `dst`'s lifetime is the caller's promise.
+        unsafe {
+            self.ops().copy(
+                dst.as_mut_ptr() as DevPtr,
+                self.ptr,
+                self.num_bytes(),
+                CopyKind::DeviceToHost,
+                self.stream,
+            )
+        }
+    }
+
+    /// Copy another buffer of the same length in (device to device, on this buffer's
+    /// stream, ordered after `src`'s stream).
+    pub fn copy_from_device(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
+        check_len(self.len, src.len)?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        if src.stream != self.stream {
+            let ev = self.ops().record_event(src.stream)?;
+            let r = self.ops().wait_event(self.stream, ev);
+            self.ops().destroy_event(ev);
+            r?;
+            src.record_stream(self.stream)?;
+        }
+        // SAFETY: both blocks are live and hold `num_bytes`; they are distinct blocks
+        // (`self` is borrowed mutably, `src` shared), so they do not overlap.
+        unsafe {
+            self.ops().copy(
+                self.ptr,
+                src.ptr,
+                self.num_bytes(),
+                CopyKind::DeviceToDevice,
+                self.stream,
+            )
+        }
+    }
+
+    /// The contents as a `Vec`.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = vec![T::zeroed(); self.len];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    /// Element `i` (a device round trip; for checks, not loops).
+    pub fn get(&self, i: usize) -> Result<T> {
+        self.slice(i..i.saturating_add(1))
+            .map_err(|_| Error::OutOfBounds {
+                what: format!("index {i}"),
+                len: self.len,
+            })?
+            .to_vec()
+            .map(|v| v[0])
+    }
+
+    /// Set element `i`.
+    pub fn set(&mut self, i: usize, value: T) -> Result<()> {
+        let len = self.len;
+        self.slice_mut(i..i.saturating_add(1))
+            .map_err(|_| Error::OutOfBounds {
+                what: format!("index {i}"),
+                len,
+            })?
+            .copy_from_host(&[value])
+    }
+
+    /// A read-only view of `range`.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceSlice<'_, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(DeviceSlice {
+            ptr: self.ptr + (s * std::mem::size_of::<T>()) as u64,
+            len: e - s,
+            buf: self,
+        })
+    }
+
+    /// A writable view of `range`.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<DeviceSliceMut<'_, T>> {
+        let (s, e) = resolve(range, self.len)?;
+        Ok(DeviceSliceMut {
+            ptr: self.ptr + (s * std::mem::size_of::<T>()) as u64,
+            len: e - s,
+            buf: self,
+        })
+    }
+
+    /// Declare that `stream` uses this buffer too: when dropped, its block is reused only
+    /// after the work queued on `stream` by then has completed.
+    pub fn record_stream(&self, stream: Stream) -> Result<()> {
+        match &self.block {
+            Some(b) => self.alloc.record_stream(b, stream),
+            None => Ok(()),
+        }
+    }
+
+    /// Wait until all work queued on the buffer's stream has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ops().synchronize(self.stream)
+    }
+}
+
+impl<T: Pod> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if let Some(b) = self.block.take() {
+            if let Err(e) = self.alloc.deallocate(b) {
+                tracing::error!("gpumem: DeviceBuffer drop failed to return its block: {e}");
+            }
+        }
+    }
+}
+
+impl<T: Pod> DeviceSlice<'_, T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True if there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Device address of the first element.
+    pub fn device_ptr(&self) -> DevPtr {
+        self.ptr
+    }
+    /// Copy out to `dst` (same length) and wait.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        read_into(self.buf.ops(), self.buf.stream, self.ptr, dst)
+    }
+    /// The contents as a `Vec`.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = vec![T::zeroed(); self.len];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+}
+
+impl<T: Pod> DeviceSliceMut<'_, T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True if there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Device address of the first element.
+    pub fn device_ptr(&self) -> DevPtr {
+        self.ptr
+    }
+    /// Copy `src` (same length) in and wait.
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        check_len(self.len, src.len())?;
+        write_from(self.buf.ops(), self.buf.stream, self.ptr, src)
+    }
+    /// Copy out to `dst` (same length) and wait.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        read_into(self.buf.ops(), self.buf.stream, self.ptr, dst)
+    }
+    /// The contents as a `Vec`.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = vec![T::zeroed(); self.len];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod kernel_args {
+    //! cudarc kernel arguments: a launch takes the address stored in the buffer or view.
+    use super::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
+    use bytemuck::Pod;
+    use cudarc::driver::{LaunchArgs, PushKernelArg};
+
+    // SAFETY (all four): we push a reference to a `u64` device address (CUdeviceptr) that
+    // lives in the buffer or view for `'b`, which outlives the launch arguments (`'b: 'a`).
+    unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b DeviceBuffer<T>> for LaunchArgs<'a> {
+        #[inline(always)]
+        fn arg(&mut self, arg: &'b DeviceBuffer<T>) -> &mut Self {
+            self.arg(&arg.ptr)
+        }
+    }
+
+    unsafe impl<'a, 'b: 'a, T: Pod> PushKernelArg<&'b mut DeviceBuffer<T>> for LaunchArgs<'a> {
+        #[inline(always)]
+        fn arg(&mut self, arg: &'b mut DeviceBuffer<T>) -> &mut Self {
+            self.arg(&arg.ptr)
+        }
+    }
+
+    unsafe impl<'a, 'b: 'a, 'c: 'b, T: Pod> PushKernelArg<&'b DeviceSlice<'c, T>> for LaunchArgs<'a> {
+        #[inline(always)]
+        fn arg(&mut self, arg: &'b DeviceSlice<'c, T>) -> &mut Self {
+            self.arg(&arg.ptr)
+        }
+    }
+
+    unsafe impl<'a, 'b: 'a, 'c: 'b, T: Pod> PushKernelArg<&'b mut DeviceSliceMut<'c, T>>
+        for LaunchArgs<'a>
+    {
+        #[inline(always)]
+        fn arg(&mut self, arg: &'b mut DeviceSliceMut<'c, T>) -> &mut Self {
+            self.arg(&arg.ptr)
+        }
+    }
+}

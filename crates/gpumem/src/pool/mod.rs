@@ -1,0 +1,1079 @@
+//! The caching pool policy: pure Rust, no CUDA calls.
+//!
+//! One [`CachingPool`] serves one shard of an allocator. It obtains *segments* from a
+//! [`Backend`] and carves them into *blocks*:
+//!
+//! - sizes are rounded to 512 B (optionally to power-of-two divisions, [`size::round_size`]);
+//!   blocks up to 1 MiB live in the small pool (2 MiB segments), larger ones in the large pool;
+//! - a request takes the best-fitting free block of its stream and pool (`BTreeSet` ordered by
+//!   stream, size, address: O(log n)), splitting off the rest; freed blocks coalesce with free
+//!   neighbours;
+//! - a short *quick cache* keeps the last few freed blocks for exact-size reuse before they are
+//!   coalesced; it is flushed before the pool ever grows, so it never costs memory;
+//! - a block freed while other streams may still use it ([`CachingPool::record_stream`]) waits
+//!   for events recorded on those streams before it can be reused;
+//! - a stream that finds nothing of its own may take a wholly free segment cached by another
+//!   stream, after an event wait that orders it behind that stream's work;
+//! - when the device refuses a segment: release cached segments, retry, wait for pending
+//!   events, release again, retry, then report [`Error::OutOfMemory`].
+
+pub mod size;
+pub mod stats;
+pub mod summary;
+
+use crate::config::Config;
+use crate::error::{Error, OomReport, Result};
+use crate::resource::{Backend, DevPtr, Event, Stream};
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use size::{round_size, segment_size, LARGE_SEGMENT, MAX_REQUEST, MIN_BLOCK, SMALL_SIZE};
+pub use stats::{PoolKind, Stat, StatArray, Stats};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Largest alignment the pool guarantees for every block.
+pub const MAX_ALIGN: usize = MIN_BLOCK as usize;
+const NIL: u32 = u32::MAX;
+/// How many same-stream candidates a cross-stream search looks at per stream.
+const STEAL_SCAN: usize = 32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// in a free set, coalesced with its neighbours
+    Free,
+    /// in the quick cache: free but not yet coalesced
+    Quick,
+    /// handed out
+    Allocated,
+    /// freed by the caller, waiting for events on other streams
+    Pending,
+}
+
+#[derive(Debug)]
+struct Block {
+    addr: u64,
+    size: u64,
+    /// bytes asked for by the current (or last) allocation
+    requested: u64,
+    /// rounded size of that request: the quick-cache key
+    rounded: u64,
+    stream: Stream,
+    segment: u32,
+    prev: u32,
+    next: u32,
+    state: State,
+    kind: PoolKind,
+    /// other streams recorded as users (record_stream)
+    uses: Vec<Stream>,
+}
+
+#[derive(Debug)]
+struct Segment {
+    addr: u64,
+    size: u64,
+    stream: Stream,
+    kind: PoolKind,
+    head: u32,
+    last_used: u64,
+}
+
+/// (stream, size, address, block id): ordered for best fit within a stream.
+type FreeKey = (u64, u64, u64, u32);
+
+/// Counters shared by all shards of one allocator (updated only when segments come and go).
+#[derive(Debug, Default)]
+pub struct SharedCounters {
+    /// bytes reserved by all shards
+    pub reserved: AtomicU64,
+    /// peak of `reserved`
+    pub peak_reserved: AtomicU64,
+}
+
+/// What [`CachingPool::allocate`] hands out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolAlloc {
+    /// address of the block
+    pub addr: DevPtr,
+    /// rounded size of the block
+    pub block_size: u64,
+}
+
+/// A block as reported by [`CachingPool::segments`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlockInfo {
+    /// address
+    pub addr: u64,
+    /// size in bytes
+    pub size: u64,
+    /// bytes requested (0 when free)
+    pub requested: u64,
+    /// handed out or waiting on events
+    pub active: bool,
+    /// handed out
+    pub allocated: bool,
+}
+
+/// A segment as reported by [`CachingPool::segments`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SegmentInfo {
+    /// base address
+    pub addr: u64,
+    /// size in bytes
+    pub size: u64,
+    /// owning stream
+    pub stream: Stream,
+    /// pool
+    pub kind: PoolKind,
+    /// blocks in address order
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// The policy settings a pool reads on its paths.
+#[derive(Debug, Clone)]
+struct Policy {
+    max_split: u64,
+    divisions: crate::config::Power2Divisions,
+    gc_threshold: Option<f64>,
+    quick_cap: usize,
+    cross_stream: bool,
+}
+
+/// One shard of the caching allocator. Not thread-safe by itself: the allocator puts each
+/// shard behind its own lock.
+pub struct CachingPool {
+    backend: Arc<dyn Backend>,
+    policy: Policy,
+    shared: Arc<SharedCounters>,
+    /// bytes the pool may hold (budget or device total), for garbage collection
+    capacity: u64,
+    blocks: Vec<Block>,
+    spare_blocks: Vec<u32>,
+    segments: Vec<Segment>,
+    spare_segments: Vec<u32>,
+    segment_index: BTreeMap<u64, u32>,
+    free_small: BTreeSet<FreeKey>,
+    free_large: BTreeSet<FreeKey>,
+    live: FxHashMap<DevPtr, u32>,
+    quick: Vec<(u64, Stream, u32)>,
+    pending: Vec<(u32, Vec<Event>)>,
+    streams: Vec<Stream>,
+    stats: Stats,
+    tick: u64,
+}
+
+impl std::fmt::Debug for CachingPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachingPool")
+            .field("backend", &self.backend.name())
+            .field("segments", &self.segment_index.len())
+            .field("live", &self.live.len())
+            .finish()
+    }
+}
+
+impl CachingPool {
+    /// A pool over `backend` with the given configuration and shared counters.
+    pub fn new(backend: Arc<dyn Backend>, config: &Config, shared: Arc<SharedCounters>) -> Self {
+        let capacity = backend
+            .limit()
+            .or_else(|| backend.mem_info().ok().map(|m| m.total))
+            .unwrap_or(u64::MAX);
+        Self {
+            backend,
+            policy: Policy {
+                max_split: config.max_split_size.unwrap_or(u64::MAX),
+                divisions: config.roundup_power2_divisions.clone(),
+                gc_threshold: config.garbage_collection_threshold,
+                quick_cap: config.quick_cache,
+                cross_stream: config.cross_stream_reuse,
+            },
+            shared,
+            capacity,
+            blocks: Vec::new(),
+            spare_blocks: Vec::new(),
+            segments: Vec::new(),
+            spare_segments: Vec::new(),
+            segment_index: BTreeMap::new(),
+            free_small: BTreeSet::new(),
+            free_large: BTreeSet::new(),
+            live: FxHashMap::default(),
+            quick: Vec::with_capacity(config.quick_cache),
+            pending: Vec::new(),
+            streams: Vec::new(),
+            stats: Stats::default(),
+            tick: 0,
+        }
+    }
+
+    /// The backend segments come from.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Current statistics of this pool.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Set every peak statistic to its current value.
+    pub fn reset_peak(&mut self) {
+        self.stats.reset_peak();
+    }
+
+    /// Number of live (handed-out) blocks.
+    pub fn live_blocks(&self) -> usize {
+        self.live.len()
+    }
+
+    /// True if `addr` is a live block of this pool.
+    pub fn owns(&self, addr: DevPtr) -> bool {
+        self.live.contains_key(&addr)
+    }
+
+    // ----------------------------------------------------------------------------- allocate
+
+    /// Allocate `bytes` bytes on `stream` with `align` (a power of two ≤ [`MAX_ALIGN`]).
+    pub fn allocate(&mut self, stream: Stream, bytes: usize, align: usize) -> Result<PoolAlloc> {
+        self.allocate_inner(stream, bytes, align, true)
+    }
+
+    /// [`CachingPool::allocate`]; `count_oom` false lets a caller that will retry elsewhere
+    /// count the out-of-memory itself.
+    pub fn allocate_inner(
+        &mut self,
+        stream: Stream,
+        bytes: usize,
+        align: usize,
+        count_oom: bool,
+    ) -> Result<PoolAlloc> {
+        let req = bytes as u64;
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        if req > MAX_REQUEST {
+            return Err(Error::SizeTooLarge {
+                requested: req,
+                max: MAX_REQUEST,
+            });
+        }
+        if !align.is_power_of_two() || align > MAX_ALIGN {
+            return Err(Error::InvalidAlignment {
+                align,
+                max: MAX_ALIGN,
+            });
+        }
+        let size = round_size(req, &self.policy.divisions);
+        if !self.pending.is_empty() {
+            self.process_events();
+        }
+        let id = match self.take_quick(stream, size) {
+            Some(id) => {
+                self.stats.cache_hits += 1;
+                id
+            }
+            None => match self.find_or_grow(stream, size) {
+                Ok(id) => id,
+                Err(e) => {
+                    if count_oom && e.is_out_of_memory() {
+                        self.stats.num_ooms += 1;
+                    }
+                    return Err(e);
+                }
+            },
+        };
+        let b = &mut self.blocks[id as usize];
+        b.state = State::Allocated;
+        b.requested = req;
+        b.rounded = size;
+        let (addr, bsize, kind) = (b.addr, b.size, b.kind);
+        self.live.insert(addr, id);
+        let s = &mut self.stats;
+        s.allocation.inc(kind, 1);
+        s.allocated_bytes.inc(kind, bsize);
+        s.requested_bytes.inc(kind, req);
+        s.active.inc(kind, 1);
+        s.active_bytes.inc(kind, bsize);
+        Ok(PoolAlloc {
+            addr,
+            block_size: bsize,
+        })
+    }
+
+    /// Exact-size reuse of a recently freed block of the same stream.
+    #[inline]
+    fn take_quick(&mut self, stream: Stream, size: u64) -> Option<u32> {
+        let pos = self
+            .quick
+            .iter()
+            .rposition(|&(s, st, _)| s == size && st == stream)?;
+        let (_, _, id) = self.quick.swap_remove(pos);
+        self.unmark_inactive(id);
+        Some(id)
+    }
+
+    fn kind_of(size: u64) -> PoolKind {
+        if size <= SMALL_SIZE {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        }
+    }
+
+    fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
+        let kind = Self::kind_of(size);
+        let id = match self.best_fit(stream, size, kind) {
+            Some(id) => Some(id),
+            None if !self.quick.is_empty() => {
+                self.flush_quick();
+                self.best_fit(stream, size, kind)
+            }
+            None => None,
+        };
+        let id = match id.or_else(|| self.steal(stream, size, kind)) {
+            Some(id) => {
+                self.stats.cache_hits += 1;
+                id
+            }
+            None => {
+                self.stats.cache_misses += 1;
+                self.grow_with_retries(stream, size, kind)?
+            }
+        };
+        self.split(id, size);
+        Ok(id)
+    }
+
+    /// PyTorch's rules for using a block of `bsize` for a request of `size`.
+    fn fits(&self, size: u64, bsize: u64) -> bool {
+        let max = self.policy.max_split;
+        if size < max && bsize >= max {
+            return false; // never hand an unsplittable block to a small request
+        }
+        if size >= max && bsize >= size + LARGE_SEGMENT {
+            return false; // nor a much larger one to a large request
+        }
+        true
+    }
+
+    fn set_of(&mut self, kind: PoolKind) -> &mut BTreeSet<FreeKey> {
+        match kind {
+            PoolKind::Small => &mut self.free_small,
+            PoolKind::Large => &mut self.free_large,
+        }
+    }
+
+    fn best_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
+        let key = *self.set_of(kind).range((stream.0, size, 0, 0)..).next()?;
+        if key.0 != stream.0 || !self.fits(size, key.1) {
+            return None;
+        }
+        self.leave_free(key.3);
+        Some(key.3)
+    }
+
+    /// Take a wholly free segment another stream cached, ordered behind that stream's work.
+    fn steal(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
+        if !self.policy.cross_stream {
+            return None;
+        }
+        let set = match kind {
+            PoolKind::Small => &self.free_small,
+            PoolKind::Large => &self.free_large,
+        };
+        let mut best: Option<FreeKey> = None;
+        for &other in self.streams.iter().filter(|&&s| s != stream) {
+            let found = set
+                .range((other.0, size, 0, 0)..)
+                .take_while(|k| k.0 == other.0)
+                .take(STEAL_SCAN)
+                .find(|k| {
+                    let b = &self.blocks[k.3 as usize];
+                    b.prev == NIL && b.next == NIL && self.fits(size, k.1)
+                });
+            if let Some(k) = found {
+                if best.is_none_or(|b| k.1 < b.1) {
+                    best = Some(*k);
+                }
+            }
+        }
+        let key = best?;
+        let owner = Stream(key.0);
+        let ev = self.backend.record_event(owner).ok()?;
+        let waited = self.backend.wait_event(stream, ev);
+        self.backend.destroy_event(ev);
+        waited.ok()?;
+        self.leave_free(key.3);
+        let b = &mut self.blocks[key.3 as usize];
+        b.stream = stream;
+        let seg = b.segment as usize;
+        self.segments[seg].stream = stream;
+        self.stats.num_cross_stream_reuses += 1;
+        Some(key.3)
+    }
+
+    fn grow_with_retries(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Result<u32> {
+        let seg = segment_size(size);
+        self.collect_garbage(seg);
+        match self.grow(stream, seg, kind) {
+            Err(e) if e.is_out_of_memory() => {}
+            other => return other,
+        }
+        self.stats.num_alloc_retries += 1;
+        self.release_cached();
+        match self.grow(stream, seg, kind) {
+            Err(e) if e.is_out_of_memory() => {}
+            other => return other,
+        }
+        if !self.pending.is_empty() {
+            self.sync_pending();
+            self.release_cached();
+            if let Some(id) = self.best_fit(stream, size, kind) {
+                return Ok(id);
+            }
+            match self.grow(stream, seg, kind) {
+                Err(e) if e.is_out_of_memory() => {}
+                other => return other,
+            }
+        }
+        Err(self.oom_error(size, seg))
+    }
+
+    /// Build the out-of-memory report from this pool's view.
+    pub fn oom_error(&self, requested: u64, segment_request: u64) -> Error {
+        let info = self.backend.mem_info().ok();
+        Error::OutOfMemory(Box::new(OomReport {
+            requested,
+            segment_request,
+            device_free: info.map_or(0, |m| m.free),
+            device_total: info.map_or(0, |m| m.total),
+            reserved: self.stats.reserved_bytes.all.current,
+            allocated: self.stats.allocated_bytes.all.current,
+            largest_free_block: self.largest_free_block(),
+            limit: self.backend.limit(),
+        }))
+    }
+
+    /// Obtain a new segment; returns its single block, not in any free set.
+    fn grow(&mut self, stream: Stream, seg_size: u64, kind: PoolKind) -> Result<u32> {
+        let addr = self
+            .backend
+            .allocate(stream, seg_size as usize, MAX_ALIGN)?;
+        if addr % MAX_ALIGN as u64 != 0 {
+            let _ = self.backend.deallocate(addr, seg_size as usize, stream);
+            return Err(Error::Unsupported {
+                backend: self.backend.name().to_string(),
+                what: format!("segment at {addr:#x} is not {MAX_ALIGN}-byte aligned"),
+            });
+        }
+        let seg = self.new_segment(Segment {
+            addr,
+            size: seg_size,
+            stream,
+            kind,
+            head: NIL,
+            last_used: self.tick,
+        });
+        let id = self.new_block(Block {
+            addr,
+            size: seg_size,
+            requested: 0,
+            rounded: 0,
+            stream,
+            segment: seg,
+            prev: NIL,
+            next: NIL,
+            state: State::Allocated,
+            kind,
+            uses: Vec::new(),
+        });
+        self.segments[seg as usize].head = id;
+        self.segment_index.insert(addr, seg);
+        if !self.streams.contains(&stream) {
+            self.streams.push(stream);
+        }
+        self.stats.segment.inc(kind, 1);
+        self.stats.reserved_bytes.inc(kind, seg_size);
+        self.stats.num_device_alloc += 1;
+        let now = self.shared.reserved.fetch_add(seg_size, Ordering::Relaxed) + seg_size;
+        self.shared.peak_reserved.fetch_max(now, Ordering::Relaxed);
+        Ok(id)
+    }
+
+    /// Split `id` (taken, not free) so that it is `size` bytes, if the rest is worth keeping.
+    fn split(&mut self, id: u32, size: u64) {
+        let b = &self.blocks[id as usize];
+        let remaining = b.size - size;
+        let worth = match b.kind {
+            PoolKind::Small => remaining >= MIN_BLOCK,
+            PoolKind::Large => size < self.policy.max_split && remaining > SMALL_SIZE,
+        };
+        if !worth {
+            return;
+        }
+        let rest = Block {
+            addr: b.addr + size,
+            size: remaining,
+            requested: 0,
+            rounded: 0,
+            stream: b.stream,
+            segment: b.segment,
+            prev: id,
+            next: b.next,
+            state: State::Allocated,
+            kind: b.kind,
+            uses: Vec::new(),
+        };
+        let next = b.next;
+        let r = self.new_block(rest);
+        if next != NIL {
+            self.blocks[next as usize].prev = r;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.next = r;
+        b.size = size;
+        self.enter_free(r);
+    }
+
+    // --------------------------------------------------------------------------------- free
+
+    /// Return the block at `addr` to the pool, ordered on its stream.
+    pub fn free(&mut self, addr: DevPtr) -> Result<()> {
+        let Some(id) = self.live.remove(&addr) else {
+            return Err(self.bad_free(addr));
+        };
+        let b = &mut self.blocks[id as usize];
+        let (kind, size, req) = (b.kind, b.size, b.requested);
+        let s = &mut self.stats;
+        s.allocation.dec(kind, 1);
+        s.allocated_bytes.dec(kind, size);
+        s.requested_bytes.dec(kind, req);
+        if !b.uses.is_empty() {
+            let uses = std::mem::take(&mut b.uses);
+            b.state = State::Pending;
+            let mut events = Vec::with_capacity(uses.len());
+            for st in uses {
+                match self.backend.record_event(st) {
+                    Ok(ev) => events.push(ev),
+                    // without an event, wait for the stream now: correctness over speed
+                    Err(_) => {
+                        let _ = self.backend.synchronize(st);
+                    }
+                }
+            }
+            self.stats.num_deferred_frees += 1;
+            self.pending.push((id, events));
+            return Ok(());
+        }
+        self.stats.active.dec(kind, 1);
+        self.stats.active_bytes.dec(kind, size);
+        if self.policy.quick_cap == 0 {
+            self.free_block(id);
+            return Ok(());
+        }
+        if self.quick.len() >= self.policy.quick_cap {
+            let (_, _, old) = self.quick.remove(0);
+            self.unmark_inactive(old);
+            self.free_block(old);
+        }
+        let b = &mut self.blocks[id as usize];
+        b.state = State::Quick;
+        self.quick.push((b.rounded, b.stream, id));
+        self.mark_inactive(id);
+        Ok(())
+    }
+
+    /// Why `addr` cannot be freed.
+    fn bad_free(&self, addr: DevPtr) -> Error {
+        if let Some((_, &seg)) = self.segment_index.range(..=addr).next_back() {
+            let s = &self.segments[seg as usize];
+            if addr < s.addr + s.size {
+                let mut id = s.head;
+                while id != NIL {
+                    let b = &self.blocks[id as usize];
+                    if b.addr == addr {
+                        return Error::DoubleFree { ptr: addr };
+                    }
+                    id = b.next;
+                }
+            }
+        }
+        Error::UnknownPointer { ptr: addr }
+    }
+
+    /// Record that `stream` uses the live block at `addr` (PyTorch's `record_stream`): when it
+    /// is freed, it is reused only after the work queued on `stream` by then has completed.
+    pub fn record_stream(&mut self, addr: DevPtr, stream: Stream) -> Result<()> {
+        let id = *self
+            .live
+            .get(&addr)
+            .ok_or(Error::UnknownPointer { ptr: addr })?;
+        let b = &mut self.blocks[id as usize];
+        if b.stream != stream && !b.uses.contains(&stream) {
+            b.uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Put a block that is neither free nor quick into its free set, coalescing neighbours.
+    fn free_block(&mut self, id: u32) {
+        let mut id = id;
+        let (prev, stream) = {
+            let b = &self.blocks[id as usize];
+            (b.prev, b.stream)
+        };
+        if prev != NIL && self.is_mergeable(prev, stream) {
+            self.leave_free(prev);
+            let b = self.release_block(id);
+            let p = &mut self.blocks[prev as usize];
+            p.size += b.size;
+            p.next = b.next;
+            if b.next != NIL {
+                self.blocks[b.next as usize].prev = prev;
+            }
+            id = prev;
+        }
+        let next = self.blocks[id as usize].next;
+        if next != NIL && self.is_mergeable(next, stream) {
+            self.leave_free(next);
+            let n = self.release_block(next);
+            let b = &mut self.blocks[id as usize];
+            b.size += n.size;
+            b.next = n.next;
+            if n.next != NIL {
+                self.blocks[n.next as usize].prev = id;
+            }
+        }
+        self.tick += 1;
+        let seg = self.blocks[id as usize].segment;
+        self.segments[seg as usize].last_used = self.tick;
+        self.enter_free(id);
+    }
+
+    fn is_mergeable(&self, id: u32, stream: Stream) -> bool {
+        let b = &self.blocks[id as usize];
+        b.state == State::Free && b.stream == stream
+    }
+
+    /// Coalesce every quick-cached block.
+    fn flush_quick(&mut self) {
+        for (_, _, id) in std::mem::take(&mut self.quick) {
+            self.unmark_inactive(id);
+            self.free_block(id);
+        }
+    }
+
+    /// Free blocks whose recorded events have all completed.
+    pub fn process_events(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let done = self.pending[i]
+                .1
+                .iter()
+                .all(|&e| self.backend.event_done(e).unwrap_or(false));
+            if done {
+                let (id, events) = self.pending.swap_remove(i);
+                self.finish_pending(id, events);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Wait on the host for every pending event, then free those blocks.
+    fn sync_pending(&mut self) {
+        self.stats.num_sync_all_streams += 1;
+        for (id, events) in std::mem::take(&mut self.pending) {
+            for &e in &events {
+                let _ = self.backend.sync_event(e);
+            }
+            self.finish_pending(id, events);
+        }
+    }
+
+    fn finish_pending(&mut self, id: u32, events: Vec<Event>) {
+        for e in events {
+            self.backend.destroy_event(e);
+        }
+        let b = &self.blocks[id as usize];
+        let (kind, size) = (b.kind, b.size);
+        self.stats.active.dec(kind, 1);
+        self.stats.active_bytes.dec(kind, size);
+        self.free_block(id);
+    }
+
+    // ------------------------------------------------------------------- free sets and stats
+
+    fn free_key(&self, id: u32) -> FreeKey {
+        let b = &self.blocks[id as usize];
+        (b.stream.0, b.size, b.addr, id)
+    }
+
+    /// Make `id` free: insert into its set and count it.
+    fn enter_free(&mut self, id: u32) {
+        let key = self.free_key(id);
+        let kind = self.blocks[id as usize].kind;
+        self.blocks[id as usize].state = State::Free;
+        self.set_of(kind).insert(key);
+        self.mark_inactive(id);
+    }
+
+    /// Take free block `id` out of its set (it becomes Allocated until told otherwise).
+    fn leave_free(&mut self, id: u32) {
+        let key = self.free_key(id);
+        let kind = self.blocks[id as usize].kind;
+        let removed = self.set_of(kind).remove(&key);
+        debug_assert!(removed, "free block missing from its set");
+        self.unmark_inactive(id);
+        self.blocks[id as usize].state = State::Allocated;
+    }
+
+    fn mark_inactive(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        if b.prev != NIL || b.next != NIL {
+            self.stats.inactive_split.inc(b.kind, 1);
+            self.stats.inactive_split_bytes.inc(b.kind, b.size);
+        }
+    }
+
+    fn unmark_inactive(&mut self, id: u32) {
+        let b = &self.blocks[id as usize];
+        if b.prev != NIL || b.next != NIL {
+            self.stats.inactive_split.dec(b.kind, 1);
+            self.stats.inactive_split_bytes.dec(b.kind, b.size);
+        }
+    }
+
+    fn new_block(&mut self, b: Block) -> u32 {
+        match self.spare_blocks.pop() {
+            Some(id) => {
+                self.blocks[id as usize] = b;
+                id
+            }
+            None => {
+                self.blocks.push(b);
+                (self.blocks.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Retire a block slot; returns its former contents.
+    fn release_block(&mut self, id: u32) -> Block {
+        self.spare_blocks.push(id);
+        std::mem::replace(
+            &mut self.blocks[id as usize],
+            Block {
+                addr: 0,
+                size: 0,
+                requested: 0,
+                rounded: 0,
+                stream: Stream::DEFAULT,
+                segment: NIL,
+                prev: NIL,
+                next: NIL,
+                state: State::Allocated,
+                kind: PoolKind::Small,
+                uses: Vec::new(),
+            },
+        )
+    }
+
+    fn new_segment(&mut self, s: Segment) -> u32 {
+        match self.spare_segments.pop() {
+            Some(id) => {
+                self.segments[id as usize] = s;
+                id
+            }
+            None => {
+                self.segments.push(s);
+                (self.segments.len() - 1) as u32
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ releasing segments
+
+    /// Segments whose only block is free.
+    fn releasable(&self) -> Vec<u32> {
+        self.segment_index
+            .values()
+            .copied()
+            .filter(|&s| {
+                let b = &self.blocks[self.segments[s as usize].head as usize];
+                b.state == State::Free && b.next == NIL
+            })
+            .collect()
+    }
+
+    fn release_segment(&mut self, seg: u32) {
+        let (addr, size, stream, kind, head) = {
+            let s = &self.segments[seg as usize];
+            (s.addr, s.size, s.stream, s.kind, s.head)
+        };
+        self.leave_free(head);
+        self.release_block(head);
+        self.segment_index.remove(&addr);
+        self.spare_segments.push(seg);
+        if let Err(e) = self.backend.deallocate(addr, size as usize, stream) {
+            tracing::warn!("gpumem: returning segment {addr:#x} ({size} B) failed: {e}");
+        }
+        self.stats.segment.dec(kind, 1);
+        self.stats.reserved_bytes.dec(kind, size);
+        self.stats.num_device_free += 1;
+        self.shared.reserved.fetch_sub(size, Ordering::Relaxed);
+    }
+
+    /// Return every wholly free segment to the backend; returns the bytes released.
+    pub fn release_cached(&mut self) -> u64 {
+        self.flush_quick();
+        self.process_events();
+        let mut bytes = 0;
+        for seg in self.releasable() {
+            bytes += self.segments[seg as usize].size;
+            self.release_segment(seg);
+        }
+        bytes
+    }
+
+    /// Release unused cached memory to the device (`torch.cuda.empty_cache()`).
+    pub fn empty_cache(&mut self) -> u64 {
+        self.release_cached()
+    }
+
+    /// If growing by `incoming` bytes would pass the garbage-collection threshold, release the
+    /// least recently used free segments until it would not (or none is left).
+    fn collect_garbage(&mut self, incoming: u64) {
+        let Some(t) = self.policy.gc_threshold else {
+            return;
+        };
+        let target = ((self.capacity as f64 * t) as u64).saturating_sub(incoming);
+        if self.shared.reserved.load(Ordering::Relaxed) <= target {
+            return;
+        }
+        self.flush_quick();
+        let mut segs = self.releasable();
+        segs.sort_by_key(|&s| self.segments[s as usize].last_used);
+        for seg in segs {
+            if self.shared.reserved.load(Ordering::Relaxed) <= target {
+                break;
+            }
+            self.release_segment(seg);
+        }
+    }
+
+    /// Warm-up: allocate blocks of the given sizes and free them again, so that later requests
+    /// of those sizes are served from the cache.
+    pub fn reserve(&mut self, stream: Stream, sizes: &[usize]) -> Result<()> {
+        let mut got = Vec::with_capacity(sizes.len());
+        let mut result = Ok(());
+        for &s in sizes {
+            match self.allocate(stream, s, MAX_ALIGN) {
+                Ok(a) => got.push(a.addr),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        for a in got {
+            self.free(a)?;
+        }
+        self.flush_quick();
+        result
+    }
+
+    // ------------------------------------------------------------------------- inspection
+
+    /// Largest free (cached) block.
+    pub fn largest_free_block(&self) -> u64 {
+        let sets = self.free_small.iter().chain(self.free_large.iter());
+        let quick = self
+            .quick
+            .iter()
+            .map(|&(_, _, id)| self.blocks[id as usize].size);
+        sets.map(|k| k.1).chain(quick).max().unwrap_or(0)
+    }
+
+    /// Every segment with its blocks, in address order.
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        self.segment_index
+            .values()
+            .map(|&seg| {
+                let s = &self.segments[seg as usize];
+                let mut blocks = Vec::new();
+                let mut id = s.head;
+                while id != NIL {
+                    let b = &self.blocks[id as usize];
+                    let allocated = b.state == State::Allocated;
+                    blocks.push(BlockInfo {
+                        addr: b.addr,
+                        size: b.size,
+                        requested: if allocated { b.requested } else { 0 },
+                        active: allocated || b.state == State::Pending,
+                        allocated,
+                    });
+                    id = b.next;
+                }
+                SegmentInfo {
+                    addr: s.addr,
+                    size: s.size,
+                    stream: s.stream,
+                    kind: s.kind,
+                    blocks,
+                }
+            })
+            .collect()
+    }
+
+    /// Check every structural invariant; returns a description of the first violation.
+    /// Used by the property tests after every step.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut want = Stats::default();
+        let mut free_keys = BTreeSet::new();
+        let mut live = 0usize;
+        for &seg in self.segment_index.values() {
+            let s = &self.segments[seg as usize];
+            want.segment.inc(s.kind, 1);
+            want.reserved_bytes.inc(s.kind, s.size);
+            let (mut id, mut cursor, mut prev) = (s.head, s.addr, NIL);
+            let mut prev_free = false;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if b.addr != cursor {
+                    return Err(format!(
+                        "gap or overlap at {:#x} in segment {:#x}",
+                        b.addr, s.addr
+                    ));
+                }
+                if b.prev != prev || b.segment != seg || b.stream != s.stream {
+                    return Err(format!("bad links of block {:#x}", b.addr));
+                }
+                if b.addr % MAX_ALIGN as u64 != 0 || b.size % MIN_BLOCK != 0 {
+                    return Err(format!("misaligned block {:#x}+{}", b.addr, b.size));
+                }
+                let split = b.prev != NIL || b.next != NIL;
+                match b.state {
+                    State::Free => {
+                        if prev_free {
+                            return Err(format!("uncoalesced free neighbours at {:#x}", b.addr));
+                        }
+                        free_keys.insert(self.free_key(id));
+                    }
+                    State::Allocated => {
+                        live += 1;
+                        if self.live.get(&b.addr) != Some(&id) {
+                            return Err(format!("allocated block {:#x} not in live map", b.addr));
+                        }
+                        want.allocation.inc(b.kind, 1);
+                        want.allocated_bytes.inc(b.kind, b.size);
+                        want.requested_bytes.inc(b.kind, b.requested);
+                        want.active.inc(b.kind, 1);
+                        want.active_bytes.inc(b.kind, b.size);
+                    }
+                    State::Pending => {
+                        want.active.inc(b.kind, 1);
+                        want.active_bytes.inc(b.kind, b.size);
+                    }
+                    State::Quick => {}
+                }
+                if matches!(b.state, State::Free | State::Quick) && split {
+                    want.inactive_split.inc(b.kind, 1);
+                    want.inactive_split_bytes.inc(b.kind, b.size);
+                }
+                prev_free = b.state == State::Free;
+                cursor += b.size;
+                prev = id;
+                id = b.next;
+            }
+            if cursor != s.addr + s.size {
+                return Err(format!("blocks do not cover segment {:#x}", s.addr));
+            }
+        }
+        let have: BTreeSet<FreeKey> = self.free_small.union(&self.free_large).copied().collect();
+        if have != free_keys {
+            return Err("free sets disagree with free blocks".into());
+        }
+        if live != self.live.len() {
+            return Err(format!(
+                "live map has {} entries, {live} blocks allocated",
+                self.live.len()
+            ));
+        }
+        let pairs = [
+            ("allocation", &want.allocation, &self.stats.allocation),
+            ("segment", &want.segment, &self.stats.segment),
+            ("active", &want.active, &self.stats.active),
+            (
+                "inactive_split",
+                &want.inactive_split,
+                &self.stats.inactive_split,
+            ),
+            (
+                "allocated_bytes",
+                &want.allocated_bytes,
+                &self.stats.allocated_bytes,
+            ),
+            (
+                "reserved_bytes",
+                &want.reserved_bytes,
+                &self.stats.reserved_bytes,
+            ),
+            ("active_bytes", &want.active_bytes, &self.stats.active_bytes),
+            (
+                "inactive_split_bytes",
+                &want.inactive_split_bytes,
+                &self.stats.inactive_split_bytes,
+            ),
+            (
+                "requested_bytes",
+                &want.requested_bytes,
+                &self.stats.requested_bytes,
+            ),
+        ];
+        for (name, w, h) in pairs {
+            for (pool, a, b) in [
+                ("all", w.all, h.all),
+                ("small", w.small_pool, h.small_pool),
+                ("large", w.large_pool, h.large_pool),
+            ] {
+                if a.current != b.current {
+                    return Err(format!(
+                        "{name}.{pool}.current is {} but the blocks sum to {}",
+                        b.current, a.current
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CachingPool {
+    fn drop(&mut self) {
+        if !self.live.is_empty() {
+            tracing::warn!(
+                "gpumem: pool dropped with {} live allocation(s); their memory is released",
+                self.live.len()
+            );
+        }
+        for e in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {
+            let _ = self.backend.sync_event(*e);
+            self.backend.destroy_event(*e);
+        }
+        let segs: Vec<(u64, u64, Stream)> = self
+            .segment_index
+            .values()
+            .map(|&s| {
+                let s = &self.segments[s as usize];
+                (s.addr, s.size, s.stream)
+            })
+            .collect();
+        for (addr, size, stream) in segs {
+            let _ = self.backend.deallocate(addr, size as usize, stream);
+            self.shared.reserved.fetch_sub(size, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

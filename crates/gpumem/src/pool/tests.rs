@@ -1,0 +1,355 @@
+//! Unit tests of every policy rule, on the simulated device.
+
+use super::*;
+use crate::resource::sim::SimulatedDevice;
+
+const MIB: u64 = 1 << 20;
+const A: Stream = Stream(1);
+const B: Stream = Stream(2);
+
+fn pool_with(capacity: u64, conf: &str) -> (CachingPool, Arc<SimulatedDevice>) {
+    let dev = Arc::new(SimulatedDevice::new(capacity));
+    let cfg = Config::parse(conf).unwrap();
+    let pool = CachingPool::new(dev.clone(), &cfg, Arc::new(SharedCounters::default()));
+    (pool, dev)
+}
+
+fn pool() -> (CachingPool, Arc<SimulatedDevice>) {
+    pool_with(1 << 40, "")
+}
+
+fn alloc(p: &mut CachingPool, s: Stream, n: u64) -> u64 {
+    let a = p.allocate(s, n as usize, 256).unwrap();
+    p.check_invariants().unwrap();
+    a.addr
+}
+
+fn free(p: &mut CachingPool, addr: u64) {
+    p.free(addr).unwrap();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn rounds_and_picks_pool_and_segment_size() {
+    let (mut p, dev) = pool();
+    let a = p.allocate(A, 1, 1).unwrap();
+    assert_eq!(a.block_size, 512);
+    assert_eq!(p.stats().reserved_bytes.small_pool.current, 2 * MIB);
+    let b = p.allocate(A, (MIB + 1) as usize, 1).unwrap();
+    assert_eq!(b.block_size, MIB + 512);
+    assert_eq!(p.stats().reserved_bytes.large_pool.current, 20 * MIB);
+    let c = p.allocate(A, (30 * MIB + 7) as usize, 1).unwrap();
+    assert_eq!(c.block_size, 30 * MIB + 512);
+    assert_eq!(
+        p.stats().reserved_bytes.large_pool.current,
+        20 * MIB + 32 * MIB
+    );
+    assert_eq!(dev.counters().allocs, 3);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn same_size_is_reused_without_device_calls() {
+    let (mut p, dev) = pool();
+    let a = alloc(&mut p, A, 4096);
+    free(&mut p, a);
+    let b = alloc(&mut p, A, 4096);
+    assert_eq!(a, b);
+    assert_eq!(dev.counters().allocs, 1);
+    assert_eq!(p.stats().cache_hits, 1);
+    assert_eq!(p.stats().cache_misses, 1);
+}
+
+#[test]
+fn best_fit_takes_the_smallest_block_that_fits() {
+    let (mut p, _) = pool_with(1 << 40, "quick_cache:0");
+    // three blocks of different sizes separated by live blocks, so they cannot coalesce
+    let sizes = [300 * 1024, 100 * 1024, 200 * 1024];
+    let mut holes = Vec::new();
+    for s in sizes {
+        holes.push(alloc(&mut p, A, s));
+        alloc(&mut p, A, 512); // separator
+    }
+    for h in &holes {
+        free(&mut p, *h);
+    }
+    let got = alloc(&mut p, A, 150 * 1024);
+    assert_eq!(
+        got, holes[2],
+        "the 200 KiB hole is the best fit for 150 KiB"
+    );
+    let got = alloc(&mut p, A, 90 * 1024);
+    assert_eq!(got, holes[1]);
+}
+
+#[test]
+fn splitting_leaves_an_inactive_split_remainder() {
+    let (mut p, _) = pool();
+    let a = alloc(&mut p, A, 512);
+    let s = p.stats();
+    assert_eq!(s.inactive_split.all.current, 1);
+    assert_eq!(s.inactive_split_bytes.small_pool.current, 2 * MIB - 512);
+    let segs = p.segments();
+    assert_eq!(segs[0].blocks.len(), 2);
+    assert_eq!(segs[0].blocks[0].addr, a);
+    // large pool: remainder of 1 MiB or less is not split off
+    let b = p.allocate(A, (19 * MIB + 512) as usize, 1).unwrap();
+    assert_eq!(
+        b.block_size,
+        20 * MIB,
+        "19.0005 MiB in a 20 MiB segment keeps the rest"
+    );
+}
+
+#[test]
+fn neighbours_coalesce_and_empty_cache_releases_everything() {
+    let (mut p, dev) = pool_with(1 << 40, "quick_cache:0");
+    let x = alloc(&mut p, A, 1000);
+    let y = alloc(&mut p, A, 1000);
+    let z = alloc(&mut p, A, 1000);
+    free(&mut p, x);
+    free(&mut p, z);
+    assert_eq!(p.segments()[0].blocks.len(), 3, "x | y | z+rest");
+    free(&mut p, y);
+    assert_eq!(
+        p.segments()[0].blocks.len(),
+        1,
+        "all merged back into one block"
+    );
+    assert_eq!(p.stats().inactive_split.all.current, 0);
+    assert_eq!(p.empty_cache(), 2 * MIB);
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+    assert_eq!(dev.counters().used, 0);
+}
+
+#[test]
+fn quick_cache_flushes_before_growing() {
+    let (mut p, dev) = pool_with(1 << 40, "quick_cache:8");
+    let blocks: Vec<u64> = (0..4).map(|_| alloc(&mut p, A, 256 * 1024)).collect();
+    for b in blocks {
+        free(&mut p, b);
+    }
+    // 1 MiB does not match any quick entry, but the four 256 KiB blocks coalesce into it
+    let big = alloc(&mut p, A, 1024 * 1024);
+    assert_eq!(
+        dev.counters().allocs,
+        1,
+        "no new segment: the quick cache was flushed first"
+    );
+    free(&mut p, big);
+}
+
+#[test]
+fn streams_do_not_share_split_segments() {
+    let (mut p, dev) = pool();
+    let a = alloc(&mut p, A, 4096);
+    let _keep = alloc(&mut p, A, 4096); // A's segment stays in use
+    free(&mut p, a);
+    let b = alloc(&mut p, B, 4096);
+    assert_ne!(a, b, "B must not take a block of A's partly used segment");
+    assert_eq!(dev.counters().allocs, 2);
+}
+
+#[test]
+fn cross_stream_reuse_of_a_whole_segment_waits_on_an_event() {
+    let (mut p, dev) = pool();
+    let a = alloc(&mut p, A, 4096);
+    free(&mut p, a);
+    let b = alloc(&mut p, B, 4096);
+    assert_eq!(a, b, "the wholly free segment moves to B");
+    assert_eq!(dev.counters().allocs, 1);
+    assert_eq!(dev.counters().stream_waits, 1, "B waits for A's work first");
+    assert_eq!(p.stats().num_cross_stream_reuses, 1);
+    assert_eq!(p.segments()[0].stream, B);
+
+    let (mut p, dev) = pool_with(1 << 40, "cross_stream_reuse:false");
+    let a = alloc(&mut p, A, 4096);
+    free(&mut p, a);
+    let b = alloc(&mut p, B, 4096);
+    assert_ne!(a, b);
+    assert_eq!(dev.counters().allocs, 2);
+}
+
+#[test]
+fn record_stream_defers_reuse_until_events_complete() {
+    let (mut p, dev) = pool_with(1 << 40, "cross_stream_reuse:false");
+    dev.set_auto_complete(false);
+    let a = alloc(&mut p, A, 4096);
+    p.record_stream(a, B).unwrap();
+    free(&mut p, a);
+    assert_eq!(
+        p.stats().active.all.current,
+        1,
+        "still active while B may use it"
+    );
+    assert_eq!(p.stats().allocation.all.current, 0);
+    let b = alloc(&mut p, A, 4096);
+    assert_ne!(a, b, "not reused while B's event is pending");
+    dev.complete_events();
+    let c = alloc(&mut p, A, 4096);
+    assert_eq!(c, a, "reused once the event completed");
+    free(&mut p, b);
+    assert_eq!(p.stats().num_deferred_frees, 1);
+}
+
+#[test]
+fn empty_cache_keeps_pending_blocks() {
+    let (mut p, dev) = pool();
+    dev.set_auto_complete(false);
+    let a = alloc(&mut p, A, 4096);
+    p.record_stream(a, B).unwrap();
+    free(&mut p, a);
+    assert_eq!(p.empty_cache(), 0);
+    assert_eq!(p.stats().reserved_bytes.all.current, 2 * MIB);
+    dev.complete_events();
+    assert_eq!(p.empty_cache(), 2 * MIB);
+}
+
+#[test]
+fn oom_retries_after_releasing_cache() {
+    let (mut p, _) = pool_with(100 * MIB, "");
+    let a = alloc(&mut p, A, 60 * MIB);
+    free(&mut p, a);
+    let b = alloc(&mut p, A, 80 * MIB);
+    assert_eq!(p.stats().num_alloc_retries, 1);
+    assert_eq!(p.stats().num_device_free, 1);
+    free(&mut p, b);
+}
+
+#[test]
+fn oom_waits_for_pending_events_then_retries() {
+    let (mut p, dev) = pool_with(100 * MIB, "");
+    dev.set_auto_complete(false);
+    let a = alloc(&mut p, A, 60 * MIB);
+    p.record_stream(a, B).unwrap();
+    free(&mut p, a);
+    let b = alloc(&mut p, A, 80 * MIB);
+    assert_eq!(p.stats().num_sync_all_streams, 1);
+    free(&mut p, b);
+}
+
+#[test]
+fn oom_reports_figures_and_leaves_pool_usable() {
+    let (mut p, _) = pool_with(100 * MIB, "");
+    let a = alloc(&mut p, A, 60 * MIB);
+    let e = p.allocate(A, (50 * MIB) as usize, 1).unwrap_err();
+    match &e {
+        Error::OutOfMemory(r) => {
+            assert_eq!(r.requested, 50 * MIB);
+            assert_eq!(r.reserved, 60 * MIB);
+            assert_eq!(r.allocated, 60 * MIB);
+            assert_eq!(r.device_free, 40 * MIB);
+            assert_eq!(r.device_total, 100 * MIB);
+        }
+        other => panic!("expected OutOfMemory, got {other}"),
+    }
+    assert!(e.to_string().contains("out of memory"));
+    assert_eq!(p.stats().num_ooms, 1);
+    p.check_invariants().unwrap();
+    let b = alloc(&mut p, A, 30 * MIB);
+    free(&mut p, a);
+    free(&mut p, b);
+}
+
+#[test]
+fn max_split_size_keeps_big_blocks_whole() {
+    let (mut p, _) = pool_with(1 << 40, "max_split_size_mb:64,quick_cache:0");
+    let big = alloc(&mut p, A, 100 * MIB);
+    free(&mut p, big);
+    // a small request does not take (and split) the 100 MiB block
+    let small = alloc(&mut p, A, 30 * MIB);
+    assert_ne!(small, big);
+    // a request ≥ max_split may take it if within 20 MiB of slack, unsplit
+    let again = p.allocate(A, (90 * MIB) as usize, 1).unwrap();
+    assert_eq!(again.addr, big);
+    assert_eq!(again.block_size, 100 * MIB);
+    free(&mut p, again.addr);
+    // but not with more than 20 MiB of slack
+    let other = alloc(&mut p, A, 70 * MIB);
+    assert_ne!(other, big);
+}
+
+#[test]
+fn garbage_collection_releases_oldest_cached_segments() {
+    let (mut p, dev) = pool_with(100 * MIB, "garbage_collection_threshold:0.5,quick_cache:0");
+    let a = alloc(&mut p, A, 20 * MIB);
+    let b = alloc(&mut p, A, 22 * MIB);
+    free(&mut p, a);
+    free(&mut p, b);
+    assert_eq!(p.stats().reserved_bytes.all.current, 42 * MIB);
+    // reserved (42) + a new 24 MiB segment would pass 50: the oldest cached segment goes
+    let _c = alloc(&mut p, A, 24 * MIB);
+    assert_eq!(dev.counters().frees, 1, "one cached segment released");
+    let sizes: Vec<u64> = p.segments().iter().map(|s| s.size).collect();
+    assert_eq!(sizes.len(), 2);
+    assert!(
+        sizes.contains(&(22 * MIB)),
+        "the older 20 MiB segment went, not b: {sizes:?}"
+    );
+}
+
+#[test]
+fn bad_inputs_are_errors_and_the_pool_stays_usable() {
+    let (mut p, _) = pool();
+    assert!(matches!(p.allocate(A, 0, 1), Err(Error::ZeroSize)));
+    assert!(matches!(
+        p.allocate(A, usize::MAX, 1),
+        Err(Error::SizeTooLarge { .. })
+    ));
+    assert!(matches!(
+        p.allocate(A, 8, 3),
+        Err(Error::InvalidAlignment { .. })
+    ));
+    assert!(matches!(
+        p.allocate(A, 8, 4096),
+        Err(Error::InvalidAlignment { .. })
+    ));
+    assert!(matches!(p.free(0xdead), Err(Error::UnknownPointer { .. })));
+    let a = alloc(&mut p, A, 100);
+    free(&mut p, a);
+    assert!(matches!(p.free(a), Err(Error::DoubleFree { .. })));
+    assert!(matches!(
+        p.record_stream(a, B),
+        Err(Error::UnknownPointer { .. })
+    ));
+    p.check_invariants().unwrap();
+    let b = alloc(&mut p, A, 100);
+    free(&mut p, b);
+}
+
+#[test]
+fn reserve_prepopulates_the_cache() {
+    let (mut p, dev) = pool();
+    p.reserve(A, &[4096, 8 * MIB as usize, 64 * MIB as usize])
+        .unwrap();
+    let allocs = dev.counters().allocs;
+    let x = alloc(&mut p, A, 4096);
+    let y = alloc(&mut p, A, 8 * MIB);
+    let z = alloc(&mut p, A, 64 * MIB);
+    assert_eq!(
+        dev.counters().allocs,
+        allocs,
+        "all served from the warm cache"
+    );
+    for v in [x, y, z] {
+        free(&mut p, v);
+    }
+}
+
+#[test]
+fn power2_rounding_applies() {
+    let (mut p, _) = pool_with(1 << 40, "roundup_power2_divisions:4");
+    let a = p.allocate(A, (5 * MIB + 1) as usize, 1).unwrap();
+    assert_eq!(a.block_size, 6 * MIB);
+}
+
+#[test]
+fn peak_and_reset() {
+    let (mut p, _) = pool();
+    let a = alloc(&mut p, A, 4 * MIB);
+    free(&mut p, a);
+    assert_eq!(p.stats().allocated_bytes.all.peak, 4 * MIB);
+    p.reset_peak();
+    assert_eq!(p.stats().allocated_bytes.all.peak, 0);
+    assert_eq!(p.stats().reserved_bytes.all.peak, 20 * MIB);
+}

@@ -1,0 +1,333 @@
+//! CUDA resources: device memory (cuMemAlloc) and a stream-ordered pool
+//! (cuMemAllocFromPoolAsync). Both use the device's primary context, shared with PyTorch,
+//! CuPy and cudarc in the same process. This is the FFI edge: every `unsafe` block is a
+//! driver call on handles this module owns.
+
+use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream};
+use crate::error::{Error, Result};
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+use std::sync::Arc;
+
+pub(crate) fn cuda_err(call: &'static str, e: DriverError) -> Error {
+    Error::Cuda {
+        call,
+        message: format!("{e:?}"),
+    }
+}
+
+fn alloc_err(resource: &str, bytes: usize, call: &'static str, e: DriverError) -> Error {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Error::ResourceExhausted {
+            resource: resource.to_string(),
+            bytes: bytes as u64,
+        }
+    } else {
+        cuda_err(call, e)
+    }
+}
+
+fn raw(s: Stream) -> sys::CUstream {
+    s.0 as sys::CUstream
+}
+
+/// The primary context of device `ordinal`, after checking that the driver and device exist.
+pub fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let count = crate::device::device_count();
+    if count == 0 {
+        return Err(Error::NoGpu("no CUDA driver or device found".into()));
+    }
+    if ordinal >= count {
+        return Err(Error::InvalidDevice { ordinal, count });
+    }
+    CudaContext::new(ordinal).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))
+}
+
+/// Stream, event and copy operations shared by the CUDA resources.
+#[derive(Debug)]
+struct CudaOps {
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaOps {
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.bind()?;
+        let (free, total) = result::mem_get_info().map_err(|e| cuda_err("cuMemGetInfo", e))?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    fn record_event(&self, stream: Stream) -> Result<Event> {
+        self.bind()?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| cuda_err("cuEventCreate", e))?;
+        // SAFETY: `ev` was just created; the stream handle is the caller's live stream.
+        if let Err(e) = unsafe { result::event::record(ev, raw(stream)) } {
+            // SAFETY: `ev` is ours and unused.
+            let _ = unsafe { result::event::destroy(ev) };
+            return Err(cuda_err("cuEventRecord", e));
+        }
+        Ok(Event(ev as u64))
+    }
+
+    fn event_done(&self, event: Event) -> Result<bool> {
+        self.bind()?;
+        // SAFETY: events are created by `record_event` and destroyed only by `destroy_event`.
+        match unsafe { result::event::query(event.0 as sys::CUevent) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(cuda_err("cuEventQuery", e)),
+        }
+    }
+
+    fn sync_event(&self, event: Event) -> Result<()> {
+        self.bind()?;
+        // SAFETY: as in `event_done`.
+        unsafe { result::event::synchronize(event.0 as sys::CUevent) }
+            .map_err(|e| cuda_err("cuEventSynchronize", e))
+    }
+
+    fn wait_event(&self, stream: Stream, event: Event) -> Result<()> {
+        self.bind()?;
+        // SAFETY: live event (as above) and the caller's live stream.
+        unsafe {
+            result::stream::wait_event(
+                raw(stream),
+                event.0 as sys::CUevent,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| cuda_err("cuStreamWaitEvent", e))
+    }
+
+    fn destroy_event(&self, event: Event) {
+        if self.bind().is_ok() {
+            // SAFETY: each event is destroyed once, by its owner.
+            let _ = unsafe { result::event::destroy(event.0 as sys::CUevent) };
+        }
+    }
+
+    fn synchronize(&self, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller's live stream.
+        unsafe { result::stream::synchronize(raw(stream)) }
+            .map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    unsafe fn copy(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+        kind: CopyKind,
+        stream: Stream,
+    ) -> Result<()> {
+        self.bind()?;
+        let s = raw(stream);
+        // SAFETY: the caller guarantees the ranges (trait contract).
+        let r = unsafe {
+            match kind {
+                CopyKind::HostToDevice => {
+                    sys::cuMemcpyHtoDAsync_v2(dst, src as *const std::ffi::c_void, bytes, s)
+                }
+                CopyKind::DeviceToHost => {
+                    sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, src, bytes, s)
+                }
+                CopyKind::DeviceToDevice => sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, s),
+            }
+        };
+        r.result().map_err(|e| cuda_err("cuMemcpyAsync", e))
+    }
+
+    unsafe fn memset(&self, dst: DevPtr, value: u8, bytes: usize, stream: Stream) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the caller guarantees `dst` (trait contract).
+        unsafe { result::memset_d8_async(dst, value, bytes, raw(stream)) }
+            .map_err(|e| cuda_err("cuMemsetD8Async", e))
+    }
+}
+
+macro_rules! cuda_stream_ops {
+    ($ty:ty) => {
+        crate::adaptor::forward_stream_ops!($ty, |s| s.ops);
+    };
+}
+
+/// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator).
+#[derive(Debug)]
+pub struct CudaDevice {
+    ops: CudaOps,
+    ordinal: usize,
+}
+
+impl CudaDevice {
+    /// Device `ordinal`'s memory, on its primary context.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Ok(Self {
+            ops: CudaOps {
+                ctx: primary_context(ordinal)?,
+            },
+            ordinal,
+        })
+    }
+
+    /// The cudarc context (primary context of the device).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ops.ctx
+    }
+}
+
+impl Resource for CudaDevice {
+    fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        self.ops.bind()?;
+        // SAFETY: plain driver allocation; the memory is only exposed as an address.
+        let p = unsafe { result::malloc_sync(bytes) }
+            .map_err(|e| alloc_err("cuMemAlloc", bytes, "cuMemAlloc", e))?;
+        if p % align as u64 != 0 {
+            // SAFETY: `p` was just allocated and is not shared.
+            let _ = unsafe { result::free_sync(p) };
+            return Err(Error::InvalidAlignment { align, max: 256 });
+        }
+        Ok(p)
+    }
+
+    fn deallocate(&self, ptr: DevPtr, _bytes: usize, _stream: Stream) -> Result<()> {
+        self.ops.bind()?;
+        // SAFETY: cuMemFree validates the address and fails on one it did not hand out.
+        unsafe { result::free_sync(ptr) }.map_err(|e| cuda_err("cuMemFree", e))
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.ops.mem_info()
+    }
+
+    fn name(&self) -> &str {
+        "cuMemAlloc"
+    }
+
+    fn location(&self) -> Location {
+        Location::Cuda(self.ordinal)
+    }
+}
+
+cuda_stream_ops!(CudaDevice);
+
+/// A private stream-ordered pool (cuMemPoolCreate + cuMemAllocFromPoolAsync) with a release
+/// threshold: what `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` uses.
+#[derive(Debug)]
+pub struct CudaAsyncPool {
+    ops: CudaOps,
+    ordinal: usize,
+    pool: usize,
+}
+
+fn device_location(ordinal: usize) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: ordinal as i32,
+    }
+}
+
+impl CudaAsyncPool {
+    /// A pool on device `ordinal` keeping up to `release_threshold` bytes cached.
+    pub fn new(ordinal: usize, release_threshold: u64) -> Result<Self> {
+        let ctx = primary_context(ordinal)?;
+        let ops = CudaOps { ctx };
+        ops.bind()?;
+        // SAFETY: an all-zero CUmemPoolProps is the documented default; fields set below.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location = device_location(ordinal);
+        // SAFETY: `props` is a valid, initialised struct.
+        let pool = unsafe { result::mem_pool::create(&props) }
+            .map_err(|e| cuda_err("cuMemPoolCreate", e))?;
+        let mut threshold = release_threshold;
+        // SAFETY: the release threshold attribute takes a u64 (cuuint64_t).
+        unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut std::ffi::c_void,
+            )
+        }
+        .map_err(|e| cuda_err("cuMemPoolSetAttribute", e))?;
+        Ok(Self {
+            ops,
+            ordinal,
+            pool: pool as usize,
+        })
+    }
+
+    fn handle(&self) -> sys::CUmemoryPool {
+        self.pool as sys::CUmemoryPool
+    }
+}
+
+impl Resource for CudaAsyncPool {
+    fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        self.ops.bind()?;
+        // SAFETY: our live pool and the caller's stream.
+        let p = unsafe { result::mem_pool::alloc_async(self.handle(), bytes, raw(stream)) }
+            .map_err(|e| {
+                alloc_err(
+                    "cuMemAllocFromPoolAsync",
+                    bytes,
+                    "cuMemAllocFromPoolAsync",
+                    e,
+                )
+            })?;
+        if p % align as u64 != 0 {
+            // SAFETY: `p` was just allocated on `stream` and is not shared.
+            let _ = unsafe { result::free_async(p, raw(stream)) };
+            return Err(Error::InvalidAlignment { align, max: 256 });
+        }
+        Ok(p)
+    }
+
+    fn deallocate(&self, ptr: DevPtr, _bytes: usize, stream: Stream) -> Result<()> {
+        self.ops.bind()?;
+        // SAFETY: the driver validates the address; ordered on the caller's stream.
+        unsafe { result::free_async(ptr, raw(stream)) }.map_err(|e| cuda_err("cuMemFreeAsync", e))
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.ops.mem_info()
+    }
+
+    fn name(&self) -> &str {
+        "cuMemAllocAsync"
+    }
+
+    fn location(&self) -> Location {
+        Location::Cuda(self.ordinal)
+    }
+}
+
+impl Drop for CudaAsyncPool {
+    fn drop(&mut self) {
+        if self.ops.bind().is_ok() {
+            // SAFETY: the pool is ours; outstanding frees are ordered before the destroy by a
+            // device synchronisation.
+            unsafe {
+                let _ = result::ctx::synchronize();
+                let _ = result::mem_pool::destroy(self.handle());
+            }
+        }
+    }
+}
+
+cuda_stream_ops!(CudaAsyncPool);

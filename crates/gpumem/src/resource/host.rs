@@ -1,0 +1,147 @@
+//! Plain host memory: the backend where no GPU is present, and the one CI tests run on.
+
+use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps};
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::alloc::Layout;
+
+/// Smallest alignment of host segments (a page).
+const HOST_MIN_ALIGN: usize = 4096;
+
+/// Host memory from the system allocator. Segments are zeroed when first obtained, so every byte
+/// a typed buffer can read is initialised. Work is synchronous: every event is complete at once.
+#[derive(Debug, Default)]
+pub struct HostResource {
+    live: Mutex<FxHashMap<DevPtr, Layout>>,
+}
+
+impl HostResource {
+    /// A new host resource.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes currently obtained from the system allocator.
+    pub fn outstanding_bytes(&self) -> u64 {
+        self.live.lock().values().map(|l| l.size() as u64).sum()
+    }
+}
+
+impl Resource for HostResource {
+    fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        let layout = Layout::from_size_align(bytes, align.max(HOST_MIN_ALIGN)).map_err(|_| {
+            Error::InvalidAlignment {
+                align,
+                max: 1 << 30,
+            }
+        })?;
+        // SAFETY: the layout has a non-zero size (checked above).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return Err(Error::ResourceExhausted {
+                resource: "host".into(),
+                bytes: bytes as u64,
+            });
+        }
+        self.live.lock().insert(p as DevPtr, layout);
+        Ok(p as DevPtr)
+    }
+
+    fn deallocate(&self, ptr: DevPtr, bytes: usize, _stream: Stream) -> Result<()> {
+        let mut live = self.live.lock();
+        match live.get(&ptr) {
+            Some(layout) if layout.size() == bytes => {
+                let layout = *layout;
+                live.remove(&ptr);
+                drop(live);
+                // SAFETY: `ptr` came from `alloc_zeroed` with exactly this layout (the registry
+                // proves it) and is removed from the registry, so it is freed once.
+                unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+                Ok(())
+            }
+            Some(_) => Err(Error::Config(format!(
+                "host deallocate of {ptr:#x} with a size ({bytes}) other than it was allocated with"
+            ))),
+            None => Err(Error::UnknownPointer { ptr }),
+        }
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        Ok(host_mem_info())
+    }
+
+    fn name(&self) -> &str {
+        "host"
+    }
+
+    fn location(&self) -> Location {
+        Location::Host
+    }
+}
+
+impl Drop for HostResource {
+    fn drop(&mut self) {
+        for (ptr, layout) in self.live.get_mut().drain() {
+            // SAFETY: every registered pointer came from `alloc_zeroed` with its layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        }
+    }
+}
+
+impl StreamOps for HostResource {
+    fn record_event(&self, _stream: Stream) -> Result<Event> {
+        Ok(Event(0))
+    }
+    fn event_done(&self, _event: Event) -> Result<bool> {
+        Ok(true)
+    }
+    fn sync_event(&self, _event: Event) -> Result<()> {
+        Ok(())
+    }
+    fn wait_event(&self, _stream: Stream, _event: Event) -> Result<()> {
+        Ok(())
+    }
+    fn destroy_event(&self, _event: Event) {}
+    fn synchronize(&self, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+    unsafe fn copy(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+        _kind: CopyKind,
+        _stream: Stream,
+    ) -> Result<()> {
+        // SAFETY: the caller guarantees both ranges are valid and disjoint (trait contract);
+        // on the host backend device addresses are host addresses.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+    unsafe fn memset(&self, dst: DevPtr, value: u8, bytes: usize, _stream: Stream) -> Result<()> {
+        // SAFETY: the caller guarantees `dst` is valid for `bytes` bytes (trait contract).
+        unsafe { std::ptr::write_bytes(dst as *mut u8, value, bytes) };
+        Ok(())
+    }
+}
+
+/// Host memory figures from /proc/meminfo (Linux); zeros where unavailable.
+pub fn host_mem_info() -> MemInfo {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or(0)
+    };
+    MemInfo {
+        free: field("MemAvailable:"),
+        total: field("MemTotal:"),
+    }
+}

@@ -1,0 +1,137 @@
+//! Raw resources: where bytes come from.
+//!
+//! One small, stream-first trait ([`Resource`]) like RMM's `device_memory_resource`, plus the
+//! stream/event/copy operations ([`StreamOps`]) that the pool policy and typed buffers need.
+//! A [`Backend`] is both. Implementations: [`host::HostResource`] (plain host memory, the CI
+//! backend), [`sim::SimulatedDevice`] (fixed capacity, synthetic addresses, controllable events),
+//! and with the `cuda` feature [`cuda::CudaDevice`] (cuMemAlloc) and [`cuda::CudaAsyncPool`]
+//! (cuMemAllocFromPoolAsync).
+
+pub mod host;
+pub mod sim;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::error::Result;
+use serde::Serialize;
+
+/// A device (or host) address. Host addresses are stored the same way.
+pub type DevPtr = u64;
+
+/// A stream handle: a `CUstream` on CUDA, any distinct number elsewhere. 0 is the default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    /// The default (legacy) stream.
+    pub const DEFAULT: Stream = Stream(0);
+
+    /// The raw handle.
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<&cudarc::driver::CudaStream> for Stream {
+    fn from(s: &cudarc::driver::CudaStream) -> Self {
+        Stream(s.cu_stream() as u64)
+    }
+}
+
+/// An event handle owned by a [`StreamOps`] implementation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// Free and total bytes as the device (or host) reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemInfo {
+    /// bytes free
+    pub free: u64,
+    /// bytes in total
+    pub total: u64,
+}
+
+/// Where a resource's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Location {
+    /// Host memory (no GPU).
+    Host,
+    /// A simulated device: addresses are synthetic, there are no bytes behind them.
+    Simulated,
+    /// CUDA device memory of the given ordinal.
+    Cuda(usize),
+}
+
+/// The raw-resource trait: stream-first allocate and deallocate.
+///
+/// Implementations are thread-safe and cheap to call concurrently; they do no caching
+/// (that is the pool's job).
+pub trait Resource: Send + Sync + std::fmt::Debug {
+    /// Allocate `bytes` bytes aligned to `align` (a power of two), ordered on `stream`.
+    fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr>;
+    /// Return memory obtained from [`Resource::allocate`] with the same `bytes`.
+    /// An address this resource did not hand out is an error, never undefined behaviour.
+    fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()>;
+    /// Free and total memory where this resource allocates.
+    fn mem_info(&self) -> Result<MemInfo>;
+    /// A byte budget enforced by this resource (see [`crate::adaptor::Limit`]), if any.
+    fn limit(&self) -> Option<u64> {
+        None
+    }
+    /// Short name for reports ("host", "simulated", "cuMemAlloc", ...).
+    fn name(&self) -> &str;
+    /// Where the bytes live.
+    fn location(&self) -> Location;
+}
+
+/// Direction of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyKind {
+    /// host → device
+    HostToDevice,
+    /// device → host
+    DeviceToHost,
+    /// device → device
+    DeviceToDevice,
+}
+
+/// Streams, events and copies: what the pool needs for cross-stream safety and what typed
+/// buffers need to move data.
+pub trait StreamOps: Send + Sync {
+    /// Record an event capturing all work queued on `stream` so far.
+    fn record_event(&self, stream: Stream) -> Result<Event>;
+    /// True once the work the event captured has completed.
+    fn event_done(&self, event: Event) -> Result<bool>;
+    /// Block the host until the event completes.
+    fn sync_event(&self, event: Event) -> Result<()>;
+    /// Make future work on `stream` wait for `event` (no host blocking).
+    fn wait_event(&self, stream: Stream, event: Event) -> Result<()>;
+    /// Release an event.
+    fn destroy_event(&self, event: Event);
+    /// Block the host until all work on `stream` has completed.
+    fn synchronize(&self, stream: Stream) -> Result<()>;
+    /// Copy `bytes` bytes on `stream`. Host pointers are passed as addresses.
+    ///
+    /// # Safety
+    /// `dst` and `src` must be valid for `bytes` bytes of the kind `kind` names until the copy
+    /// completes on `stream`, and must not overlap.
+    unsafe fn copy(
+        &self,
+        dst: DevPtr,
+        src: DevPtr,
+        bytes: usize,
+        kind: CopyKind,
+        stream: Stream,
+    ) -> Result<()>;
+    /// Set `bytes` bytes at `dst` to `value` on `stream`.
+    ///
+    /// # Safety
+    /// `dst` must be device memory valid for `bytes` bytes.
+    unsafe fn memset(&self, dst: DevPtr, value: u8, bytes: usize, stream: Stream) -> Result<()>;
+}
+
+/// A complete backend: a resource with stream operations.
+pub trait Backend: Resource + StreamOps {}
+impl<T: Resource + StreamOps> Backend for T {}

@@ -1,0 +1,190 @@
+//! A simulated device of fixed capacity over a synthetic address space: real policy, fake bytes.
+//!
+//! Used for out-of-memory tests, property tests and trace replay. Addresses are aligned to the
+//! driver's 2 MiB granularity like cuMemAlloc's. Events can be left pending so that tests can
+//! check that the pool never reuses memory another stream may still be using.
+
+use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps};
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use rustc_hash::{FxHashMap, FxHashSet};
+
+/// Address granularity of simulated segments.
+pub const SIM_GRANULARITY: u64 = 2 << 20;
+const SIM_BASE: u64 = 0x7f00_0000_0000;
+
+#[derive(Debug, Default)]
+struct SimState {
+    next_addr: u64,
+    used: u64,
+    live: FxHashMap<DevPtr, u64>,
+    next_event: u64,
+    pending: FxHashSet<u64>,
+    auto_complete: bool,
+    allocs: u64,
+    frees: u64,
+    stream_waits: u64,
+}
+
+/// Counters of what the simulated device was asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimCounters {
+    /// bytes currently allocated
+    pub used: u64,
+    /// number of allocate calls that succeeded
+    pub allocs: u64,
+    /// number of deallocate calls that succeeded
+    pub frees: u64,
+    /// number of stream waits inserted
+    pub stream_waits: u64,
+    /// events recorded and not yet complete
+    pub pending_events: usize,
+}
+
+/// A device with `capacity` bytes and no memory behind its addresses.
+#[derive(Debug)]
+pub struct SimulatedDevice {
+    capacity: u64,
+    state: Mutex<SimState>,
+}
+
+impl SimulatedDevice {
+    /// A device of `capacity` bytes whose events complete at once.
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            capacity,
+            state: Mutex::new(SimState {
+                next_addr: SIM_BASE,
+                auto_complete: true,
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// When false, recorded events stay pending until [`SimulatedDevice::complete_events`]
+    /// (or a host synchronisation on them), as if kernels were still running.
+    pub fn set_auto_complete(&self, on: bool) {
+        self.state.lock().auto_complete = on;
+    }
+
+    /// Complete every pending event: all queued work has finished.
+    pub fn complete_events(&self) {
+        self.state.lock().pending.clear();
+    }
+
+    /// What the device was asked to do so far.
+    pub fn counters(&self) -> SimCounters {
+        let s = self.state.lock();
+        SimCounters {
+            used: s.used,
+            allocs: s.allocs,
+            frees: s.frees,
+            stream_waits: s.stream_waits,
+            pending_events: s.pending.len(),
+        }
+    }
+
+    /// Capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+}
+
+impl Resource for SimulatedDevice {
+    fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        if !align.is_power_of_two() || align as u64 > SIM_GRANULARITY {
+            return Err(Error::InvalidAlignment {
+                align,
+                max: SIM_GRANULARITY as usize,
+            });
+        }
+        let bytes = bytes as u64;
+        let mut s = self.state.lock();
+        if s.used + bytes > self.capacity {
+            return Err(Error::ResourceExhausted {
+                resource: "simulated".into(),
+                bytes,
+            });
+        }
+        let addr = s.next_addr;
+        s.next_addr += bytes.div_ceil(SIM_GRANULARITY) * SIM_GRANULARITY;
+        s.used += bytes;
+        s.allocs += 1;
+        s.live.insert(addr, bytes);
+        Ok(addr)
+    }
+
+    fn deallocate(&self, ptr: DevPtr, bytes: usize, _stream: Stream) -> Result<()> {
+        let mut s = self.state.lock();
+        match s.live.get(&ptr).copied() {
+            Some(size) if size == bytes as u64 => {
+                s.live.remove(&ptr);
+                s.used -= size;
+                s.frees += 1;
+                Ok(())
+            }
+            Some(size) => Err(Error::Config(format!(
+                "simulated deallocate of {ptr:#x} with {bytes} bytes, allocated with {size}"
+            ))),
+            None => Err(Error::UnknownPointer { ptr }),
+        }
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let s = self.state.lock();
+        Ok(MemInfo {
+            free: self.capacity - s.used,
+            total: self.capacity,
+        })
+    }
+
+    fn name(&self) -> &str {
+        "simulated"
+    }
+
+    fn location(&self) -> Location {
+        Location::Simulated
+    }
+}
+
+impl StreamOps for SimulatedDevice {
+    fn record_event(&self, _stream: Stream) -> Result<Event> {
+        let mut s = self.state.lock();
+        s.next_event += 1;
+        let id = s.next_event;
+        if !s.auto_complete {
+            s.pending.insert(id);
+        }
+        Ok(Event(id))
+    }
+    fn event_done(&self, event: Event) -> Result<bool> {
+        Ok(!self.state.lock().pending.contains(&event.0))
+    }
+    fn sync_event(&self, event: Event) -> Result<()> {
+        self.state.lock().pending.remove(&event.0);
+        Ok(())
+    }
+    fn wait_event(&self, _stream: Stream, _event: Event) -> Result<()> {
+        self.state.lock().stream_waits += 1;
+        Ok(())
+    }
+    fn destroy_event(&self, _event: Event) {}
+    fn synchronize(&self, _stream: Stream) -> Result<()> {
+        Ok(())
+    }
+    unsafe fn copy(&self, _: DevPtr, _: DevPtr, _: usize, _: CopyKind, _: Stream) -> Result<()> {
+        Err(Error::Unsupported {
+            backend: "simulated".into(),
+            what: "copies (a simulated device has no bytes)".into(),
+        })
+    }
+    unsafe fn memset(&self, _: DevPtr, _: u8, _: usize, _: Stream) -> Result<()> {
+        Err(Error::Unsupported {
+            backend: "simulated".into(),
+            what: "memset (a simulated device has no bytes)".into(),
+        })
+    }
+}
