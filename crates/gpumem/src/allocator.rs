@@ -14,6 +14,7 @@ use crate::resource::host::HostResource;
 use crate::resource::sim::SimulatedDevice;
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
 use parking_lot::{Mutex, MutexGuard};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -23,6 +24,8 @@ struct Padded<T>(T);
 
 static NEXT_THREAD_SLOT: AtomicUsize = AtomicUsize::new(0);
 thread_local! {
+    /// (shard count, shard index) last computed on this thread.
+    static THREAD_SHARD: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
     static THREAD_SLOT: usize = NEXT_THREAD_SLOT.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -42,6 +45,7 @@ pub struct Allocation {
     size: usize,
     stream: Stream,
     shard: u32,
+    id: u32,
 }
 
 impl Allocation {
@@ -143,10 +147,17 @@ impl CachingAllocator {
     fn shard_index(&self) -> usize {
         let n = self.inner.shards.len();
         if n == 1 {
-            0
-        } else {
-            THREAD_SLOT.with(|s| *s) % n
+            return 0;
         }
+        THREAD_SHARD.with(|c| {
+            let (count, index) = c.get();
+            if count == n {
+                return index;
+            }
+            let index = THREAD_SLOT.with(|s| *s) % n;
+            c.set((n, index));
+            index
+        })
     }
 
     #[inline]
@@ -158,20 +169,43 @@ impl CachingAllocator {
     #[inline]
     pub fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<Allocation> {
         let i = self.shard_index();
+        self.allocate_in(i, stream, bytes, align, false)
+            .map(|a| Allocation {
+                ptr: a.addr,
+                size: bytes,
+                stream,
+                shard: i as u32,
+                id: a.id,
+            })
+    }
+
+    /// Allocate for the address-only API (C ABI, [`Resource`]): free it with
+    /// [`CachingAllocator::deallocate_ptr`].
+    pub fn allocate_ptr(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        let i = self.shard_index();
+        self.allocate_in(i, stream, bytes, align, true)
+            .map(|a| a.addr)
+    }
+
+    #[inline]
+    fn allocate_in(
+        &self,
+        i: usize,
+        stream: Stream,
+        bytes: usize,
+        align: usize,
+        track_address: bool,
+    ) -> Result<crate::pool::PoolAlloc> {
         let single = self.inner.shards.len() == 1;
-        let r = self.shard(i).allocate_inner(stream, bytes, align, single);
-        let r = match r {
+        let r = self
+            .shard(i)
+            .allocate_inner(stream, bytes, align, single, track_address);
+        match r {
             Err(e) if !single && e.is_out_of_memory() => {
-                self.allocate_after_reclaim(i, stream, bytes, align)
+                self.allocate_after_reclaim(i, stream, bytes, align, track_address)
             }
             r => r,
-        };
-        r.map(|a| Allocation {
-            ptr: a.addr,
-            size: bytes,
-            stream,
-            shard: i as u32,
-        })
+        }
     }
 
     /// Out of memory in shard `i`: release the other shards' caches and retry once.
@@ -182,11 +216,14 @@ impl CachingAllocator {
         stream: Stream,
         bytes: usize,
         align: usize,
+        track_address: bool,
     ) -> Result<crate::pool::PoolAlloc> {
         for j in (0..self.inner.shards.len()).filter(|&j| j != i) {
             self.shard(j).release_cached();
         }
-        let r = self.shard(i).allocate_inner(stream, bytes, align, true);
+        let r = self
+            .shard(i)
+            .allocate_inner(stream, bytes, align, true, track_address);
         match r {
             Err(Error::OutOfMemory(mut report)) => {
                 let stats = self.stats();
@@ -205,11 +242,11 @@ impl CachingAllocator {
     /// Return an allocation; it is reused in order on its stream.
     #[inline]
     pub fn deallocate(&self, a: Allocation) -> Result<()> {
-        self.shard(a.shard as usize).free(a.ptr)
+        self.shard(a.shard as usize).free_block_id(a.id, a.ptr)
     }
 
-    /// Return a block by its address alone (the C ABI path): unknown pointers and double frees
-    /// are errors, never undefined behaviour.
+    /// Return a block from [`CachingAllocator::allocate_ptr`] by its address alone (the C ABI
+    /// path): unknown pointers and double frees are errors, never undefined behaviour.
     pub fn deallocate_ptr(&self, ptr: DevPtr) -> Result<()> {
         let first = self.shard_index();
         let mut err = None;
@@ -226,7 +263,8 @@ impl CachingAllocator {
 
     /// Mark a live block as used by `stream` too (PyTorch's `record_stream`).
     pub fn record_stream(&self, a: &Allocation, stream: Stream) -> Result<()> {
-        self.shard(a.shard as usize).record_stream(a.ptr, stream)
+        self.shard(a.shard as usize)
+            .record_stream_id(a.id, a.ptr, stream)
     }
 
     /// [`CachingAllocator::record_stream`] by address.
@@ -328,8 +366,13 @@ fn budget(backend: &dyn Backend, config: &Config) -> Result<Option<u64>> {
 /// The allocator is itself a resource, so adaptors compose over it (RMM style).
 impl Resource for CachingAllocator {
     fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
-        let a = CachingAllocator::allocate(self, stream, bytes, align.min(MAX_ALIGN))?;
-        Ok(a.ptr)
+        if align > MAX_ALIGN {
+            return Err(Error::InvalidAlignment {
+                align,
+                max: MAX_ALIGN,
+            });
+        }
+        self.allocate_ptr(stream, bytes, align)
     }
     fn deallocate(&self, ptr: DevPtr, _bytes: usize, _stream: Stream) -> Result<()> {
         self.deallocate_ptr(ptr)

@@ -143,7 +143,7 @@ fn parse_divisions(key: &str, value: &str) -> Result<Power2Divisions> {
     if let Some(inner) = v.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
         let mut intervals: Vec<(u64, u32)> = Vec::new();
         for part in inner
-            .split(|c| c == ',' || c == ';')
+            .split([',', ';'])
             .filter(|p| !p.trim().is_empty())
         {
             let (k, d) = part

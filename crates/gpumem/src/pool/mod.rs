@@ -17,6 +17,7 @@
 //! - when the device refuses a segment: release cached segments, retry, wait for pending
 //!   events, release again, retry, then report [`Error::OutOfMemory`].
 
+mod free_index;
 pub mod size;
 pub mod stats;
 pub mod summary;
@@ -24,6 +25,7 @@ pub mod summary;
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::resource::{Backend, DevPtr, Event, Stream};
+use free_index::FreeIndex;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use size::{round_size, segment_size, LARGE_SEGMENT, MAX_REQUEST, MIN_BLOCK, SMALL_SIZE};
@@ -66,6 +68,8 @@ struct Block {
     kind: PoolKind,
     /// other streams recorded as users (record_stream)
     uses: Vec<Stream>,
+    /// listed in the address map (allocated through the address-only API)
+    tracked: bool,
 }
 
 #[derive(Debug)]
@@ -78,7 +82,7 @@ struct Segment {
     last_used: u64,
 }
 
-/// (stream, size, address, block id): ordered for best fit within a stream.
+/// (stream, size, address, block id), for the invariant check.
 type FreeKey = (u64, u64, u64, u32);
 
 /// Counters shared by all shards of one allocator (updated only when segments come and go).
@@ -97,6 +101,8 @@ pub struct PoolAlloc {
     pub addr: DevPtr,
     /// rounded size of the block
     pub block_size: u64,
+    /// the block's slot, for [`CachingPool::free_block_id`]
+    pub id: u32,
 }
 
 /// A block as reported by [`CachingPool::segments`].
@@ -152,9 +158,10 @@ pub struct CachingPool {
     segments: Vec<Segment>,
     spare_segments: Vec<u32>,
     segment_index: BTreeMap<u64, u32>,
-    free_small: BTreeSet<FreeKey>,
-    free_large: BTreeSet<FreeKey>,
+    /// free blocks of `streams[i]`: `free[i][0]` small pool, `free[i][1]` large pool
+    free: Vec<[FreeIndex; 2]>,
     live: FxHashMap<DevPtr, u32>,
+    allocated_blocks: usize,
     quick: Vec<(u64, Stream, u32)>,
     pending: Vec<(u32, Vec<Event>)>,
     streams: Vec<Stream>,
@@ -195,9 +202,9 @@ impl CachingPool {
             segments: Vec::new(),
             spare_segments: Vec::new(),
             segment_index: BTreeMap::new(),
-            free_small: BTreeSet::new(),
-            free_large: BTreeSet::new(),
+            free: Vec::new(),
             live: FxHashMap::default(),
+            allocated_blocks: 0,
             quick: Vec::with_capacity(config.quick_cache),
             pending: Vec::new(),
             streams: Vec::new(),
@@ -221,31 +228,29 @@ impl CachingPool {
         self.stats.reset_peak();
     }
 
-    /// Number of live (handed-out) blocks.
-    pub fn live_blocks(&self) -> usize {
-        self.live.len()
-    }
-
-    /// True if `addr` is a live block of this pool.
+    /// True if `addr` is a live block of this pool allocated with `track_address`.
     pub fn owns(&self, addr: DevPtr) -> bool {
         self.live.contains_key(&addr)
     }
 
     // ----------------------------------------------------------------------------- allocate
 
-    /// Allocate `bytes` bytes on `stream` with `align` (a power of two ≤ [`MAX_ALIGN`]).
+    /// Allocate `bytes` bytes on `stream` with `align` (a power of two ≤ [`MAX_ALIGN`]); the
+    /// block can be freed by address ([`CachingPool::free`]) or id.
     pub fn allocate(&mut self, stream: Stream, bytes: usize, align: usize) -> Result<PoolAlloc> {
-        self.allocate_inner(stream, bytes, align, true)
+        self.allocate_inner(stream, bytes, align, true, true)
     }
 
-    /// [`CachingPool::allocate`]; `count_oom` false lets a caller that will retry elsewhere
-    /// count the out-of-memory itself.
+    /// [`CachingPool::allocate`] with options: `count_oom` false lets a caller that will retry
+    /// elsewhere count the out-of-memory itself; `track_address` false skips the address map,
+    /// so the block can only be freed by id ([`CachingPool::free_block_id`]), which is faster.
     pub fn allocate_inner(
         &mut self,
         stream: Stream,
         bytes: usize,
         align: usize,
         count_oom: bool,
+        track_address: bool,
     ) -> Result<PoolAlloc> {
         let req = bytes as u64;
         if bytes == 0 {
@@ -286,8 +291,12 @@ impl CachingPool {
         b.state = State::Allocated;
         b.requested = req;
         b.rounded = size;
+        b.tracked = track_address;
         let (addr, bsize, kind) = (b.addr, b.size, b.kind);
-        self.live.insert(addr, id);
+        if track_address {
+            self.live.insert(addr, id);
+        }
+        self.allocated_blocks += 1;
         let s = &mut self.stats;
         s.allocation.inc(kind, 1);
         s.allocated_bytes.inc(kind, bsize);
@@ -297,6 +306,7 @@ impl CachingPool {
         Ok(PoolAlloc {
             addr,
             block_size: bsize,
+            id,
         })
     }
 
@@ -356,20 +366,27 @@ impl CachingPool {
         true
     }
 
-    fn set_of(&mut self, kind: PoolKind) -> &mut BTreeSet<FreeKey> {
+    /// Index of `stream` in `streams` / `free`.
+    #[inline]
+    fn slot_of(&self, stream: Stream) -> Option<usize> {
+        self.streams.iter().position(|&s| s == stream)
+    }
+
+    fn kind_index(kind: PoolKind) -> usize {
         match kind {
-            PoolKind::Small => &mut self.free_small,
-            PoolKind::Large => &mut self.free_large,
+            PoolKind::Small => 0,
+            PoolKind::Large => 1,
         }
     }
 
     fn best_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
-        let key = *self.set_of(kind).range((stream.0, size, 0, 0)..).next()?;
-        if key.0 != stream.0 || !self.fits(size, key.1) {
+        let slot = self.slot_of(stream)?;
+        let (bsize, _, id) = self.free[slot][Self::kind_index(kind)].best_fit(size)?;
+        if !self.fits(size, bsize) {
             return None;
         }
-        self.leave_free(key.3);
-        Some(key.3)
+        self.leave_free(id);
+        Some(id)
     }
 
     /// Take a wholly free segment another stream cached, ordered behind that stream's work.
@@ -377,39 +394,46 @@ impl CachingPool {
         if !self.policy.cross_stream {
             return None;
         }
-        let set = match kind {
-            PoolKind::Small => &self.free_small,
-            PoolKind::Large => &self.free_large,
-        };
-        let mut best: Option<FreeKey> = None;
-        for &other in self.streams.iter().filter(|&&s| s != stream) {
-            let found = set
-                .range((other.0, size, 0, 0)..)
-                .take_while(|k| k.0 == other.0)
-                .take(STEAL_SCAN)
-                .find(|k| {
-                    let b = &self.blocks[k.3 as usize];
-                    b.prev == NIL && b.next == NIL && self.fits(size, k.1)
-                });
-            if let Some(k) = found {
-                if best.is_none_or(|b| k.1 < b.1) {
-                    best = Some(*k);
+        let k = Self::kind_index(kind);
+        let mut best: Option<(u64, Stream, u32)> = None;
+        for (slot, &other) in self.streams.iter().enumerate() {
+            if other == stream {
+                continue;
+            }
+            let found =
+                self.free[slot][k]
+                    .at_least(size)
+                    .take(STEAL_SCAN)
+                    .find(|&(bsize, _, id)| {
+                        let b = &self.blocks[id as usize];
+                        b.prev == NIL && b.next == NIL && self.fits(size, bsize)
+                    });
+            if let Some((bsize, _, id)) = found {
+                if best.is_none_or(|b| bsize < b.0) {
+                    best = Some((bsize, other, id));
                 }
             }
         }
-        let key = best?;
-        let owner = Stream(key.0);
+        let (_, owner, id) = best?;
         let ev = self.backend.record_event(owner).ok()?;
         let waited = self.backend.wait_event(stream, ev);
         self.backend.destroy_event(ev);
         waited.ok()?;
-        self.leave_free(key.3);
-        let b = &mut self.blocks[key.3 as usize];
+        self.leave_free(id);
+        self.register_stream(stream);
+        let b = &mut self.blocks[id as usize];
         b.stream = stream;
         let seg = b.segment as usize;
         self.segments[seg].stream = stream;
         self.stats.num_cross_stream_reuses += 1;
-        Some(key.3)
+        Some(id)
+    }
+
+    fn register_stream(&mut self, stream: Stream) {
+        if self.slot_of(stream).is_none() {
+            self.streams.push(stream);
+            self.free.push(Default::default());
+        }
     }
 
     fn grow_with_retries(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Result<u32> {
@@ -486,12 +510,11 @@ impl CachingPool {
             state: State::Allocated,
             kind,
             uses: Vec::new(),
+            tracked: false,
         });
         self.segments[seg as usize].head = id;
         self.segment_index.insert(addr, seg);
-        if !self.streams.contains(&stream) {
-            self.streams.push(stream);
-        }
+        self.register_stream(stream);
         self.stats.segment.inc(kind, 1);
         self.stats.reserved_bytes.inc(kind, seg_size);
         self.stats.num_device_alloc += 1;
@@ -523,6 +546,7 @@ impl CachingPool {
             state: State::Allocated,
             kind: b.kind,
             uses: Vec::new(),
+            tracked: false,
         };
         let next = b.next;
         let r = self.new_block(rest);
@@ -537,11 +561,31 @@ impl CachingPool {
 
     // --------------------------------------------------------------------------------- free
 
-    /// Return the block at `addr` to the pool, ordered on its stream.
+    /// Return the block at `addr` (allocated with `track_address`) to the pool, ordered on its
+    /// stream.
     pub fn free(&mut self, addr: DevPtr) -> Result<()> {
         let Some(id) = self.live.remove(&addr) else {
             return Err(self.bad_free(addr));
         };
+        self.release(id)
+    }
+
+    /// Return the block `id` at `addr` ([`PoolAlloc::id`]) to the pool.
+    #[inline]
+    pub fn free_block_id(&mut self, id: u32, addr: DevPtr) -> Result<()> {
+        match self.blocks.get(id as usize) {
+            Some(b) if b.addr == addr && b.state == State::Allocated && b.segment != NIL => {
+                if b.tracked {
+                    self.live.remove(&addr);
+                }
+                self.release(id)
+            }
+            _ => Err(self.bad_free(addr)),
+        }
+    }
+
+    fn release(&mut self, id: u32) -> Result<()> {
+        self.allocated_blocks -= 1;
         let b = &mut self.blocks[id as usize];
         let (kind, size, req) = (b.kind, b.size, b.requested);
         let s = &mut self.stats;
@@ -608,7 +652,15 @@ impl CachingPool {
             .live
             .get(&addr)
             .ok_or(Error::UnknownPointer { ptr: addr })?;
-        let b = &mut self.blocks[id as usize];
+        self.record_stream_id(id, addr, stream)
+    }
+
+    /// [`CachingPool::record_stream`] for block `id` at `addr`.
+    pub fn record_stream_id(&mut self, id: u32, addr: DevPtr, stream: Stream) -> Result<()> {
+        let b = match self.blocks.get_mut(id as usize) {
+            Some(b) if b.addr == addr && b.state == State::Allocated && b.segment != NIL => b,
+            _ => return Err(Error::UnknownPointer { ptr: addr }),
+        };
         if b.stream != stream && !b.uses.contains(&stream) {
             b.uses.push(stream);
         }
@@ -709,21 +761,30 @@ impl CachingPool {
         (b.stream.0, b.size, b.addr, id)
     }
 
-    /// Make `id` free: insert into its set and count it.
+    fn index_of(&mut self, id: u32) -> &mut FreeIndex {
+        let b = &self.blocks[id as usize];
+        let (stream, k) = (b.stream, Self::kind_index(b.kind));
+        let slot = self
+            .slot_of(stream)
+            .expect("blocks belong to registered streams");
+        &mut self.free[slot][k]
+    }
+
+    /// Make `id` free: insert into its index and count it.
     fn enter_free(&mut self, id: u32) {
-        let key = self.free_key(id);
-        let kind = self.blocks[id as usize].kind;
-        self.blocks[id as usize].state = State::Free;
-        self.set_of(kind).insert(key);
+        let b = &mut self.blocks[id as usize];
+        b.state = State::Free;
+        let (size, addr) = (b.size, b.addr);
+        self.index_of(id).insert(size, addr, id);
         self.mark_inactive(id);
     }
 
-    /// Take free block `id` out of its set (it becomes Allocated until told otherwise).
+    /// Take free block `id` out of its index (it becomes Allocated until told otherwise).
     fn leave_free(&mut self, id: u32) {
-        let key = self.free_key(id);
-        let kind = self.blocks[id as usize].kind;
-        let removed = self.set_of(kind).remove(&key);
-        debug_assert!(removed, "free block missing from its set");
+        let b = &self.blocks[id as usize];
+        let (size, addr) = (b.size, b.addr);
+        let removed = self.index_of(id).remove(size, addr, id);
+        debug_assert!(removed, "free block missing from its index");
         self.unmark_inactive(id);
         self.blocks[id as usize].state = State::Allocated;
     }
@@ -774,6 +835,7 @@ impl CachingPool {
                 state: State::Allocated,
                 kind: PoolKind::Small,
                 uses: Vec::new(),
+                tracked: false,
             },
         )
     }
@@ -886,12 +948,12 @@ impl CachingPool {
 
     /// Largest free (cached) block.
     pub fn largest_free_block(&self) -> u64 {
-        let sets = self.free_small.iter().chain(self.free_large.iter());
+        let free = self.free.iter().flatten().filter_map(|f| f.largest());
         let quick = self
             .quick
             .iter()
             .map(|&(_, _, id)| self.blocks[id as usize].size);
-        sets.map(|k| k.1).chain(quick).max().unwrap_or(0)
+        free.chain(quick).max().unwrap_or(0)
     }
 
     /// Every segment with its blocks, in address order.
@@ -961,7 +1023,7 @@ impl CachingPool {
                     }
                     State::Allocated => {
                         live += 1;
-                        if self.live.get(&b.addr) != Some(&id) {
+                        if b.tracked && self.live.get(&b.addr) != Some(&id) {
                             return Err(format!("allocated block {:#x} not in live map", b.addr));
                         }
                         want.allocation.inc(b.kind, 1);
@@ -989,7 +1051,18 @@ impl CachingPool {
                 return Err(format!("blocks do not cover segment {:#x}", s.addr));
             }
         }
-        let have: BTreeSet<FreeKey> = self.free_small.union(&self.free_large).copied().collect();
+        let mut have = BTreeSet::new();
+        for (slot, pair) in self.free.iter().enumerate() {
+            for (k, index) in pair.iter().enumerate() {
+                for (size, addr, id) in index.iter() {
+                    let b = &self.blocks[id as usize];
+                    if Self::kind_index(b.kind) != k {
+                        return Err(format!("block {addr:#x} indexed in the wrong pool"));
+                    }
+                    have.insert((self.streams[slot].0, size, addr, id));
+                }
+            }
+        }
         if have != free_keys {
             return Err("free sets disagree with free blocks".into());
         }
@@ -1050,10 +1123,10 @@ impl CachingPool {
 
 impl Drop for CachingPool {
     fn drop(&mut self) {
-        if !self.live.is_empty() {
+        if self.allocated_blocks > 0 {
             tracing::warn!(
                 "gpumem: pool dropped with {} live allocation(s); their memory is released",
-                self.live.len()
+                self.allocated_blocks
             );
         }
         for e in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {
