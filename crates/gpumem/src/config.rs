@@ -142,10 +142,7 @@ fn parse_divisions(key: &str, value: &str) -> Result<Power2Divisions> {
     let v = value.trim();
     if let Some(inner) = v.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
         let mut intervals: Vec<(u64, u32)> = Vec::new();
-        for part in inner
-            .split([',', ';'])
-            .filter(|p| !p.trim().is_empty())
-        {
+        for part in inner.split([',', ';']).filter(|p| !p.trim().is_empty()) {
             let (k, d) = part
                 .split_once(':')
                 .ok_or_else(|| bad(key, value, "expected [size_mb:divisions,...,>:divisions]"))?;

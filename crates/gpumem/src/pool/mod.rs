@@ -1066,9 +1066,10 @@ impl CachingPool {
         if have != free_keys {
             return Err("free sets disagree with free blocks".into());
         }
-        if live != self.live.len() {
+        if live != self.allocated_blocks || self.live.len() > live {
             return Err(format!(
-                "live map has {} entries, {live} blocks allocated",
+                "{live} blocks allocated, counted {}, {} in the address map",
+                self.allocated_blocks,
                 self.live.len()
             ));
         }
