@@ -1,0 +1,240 @@
+//! The thread-safe allocator, adaptors and typed buffers on the host backend and the simulator.
+
+use gpumem::adaptor::Tracking;
+use gpumem::resource::host::HostResource;
+use gpumem::{Backend, CachingAllocator, Config, DeviceBuffer, Error, Resource, Stats, Stream};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const S: Stream = Stream::DEFAULT;
+
+fn host() -> CachingAllocator {
+    CachingAllocator::host(Config::default()).unwrap()
+}
+
+#[test]
+fn address_api_rejects_unknown_pointers_and_double_frees() {
+    let a = host();
+    let p = a.allocate_ptr(S, 1000, 256).unwrap();
+    a.deallocate_ptr(p).unwrap();
+    assert!(matches!(a.deallocate_ptr(p), Err(Error::DoubleFree { .. })));
+    assert!(matches!(
+        a.deallocate_ptr(12345),
+        Err(Error::UnknownPointer { .. })
+    ));
+    assert!(matches!(
+        a.record_stream_ptr(p, Stream(3)),
+        Err(Error::UnknownPointer { .. })
+    ));
+    let q = a.allocate_ptr(S, 1000, 256).unwrap();
+    a.record_stream_ptr(q, Stream(3)).unwrap();
+    a.deallocate_ptr(q).unwrap();
+    assert_eq!(a.stats().allocation.all.current, 0);
+}
+
+#[test]
+fn bad_requests_leave_the_allocator_usable() {
+    let a = host();
+    assert!(matches!(a.allocate(S, 0, 256), Err(Error::ZeroSize)));
+    assert!(matches!(
+        a.allocate(S, usize::MAX, 256),
+        Err(Error::SizeTooLarge { .. })
+    ));
+    assert!(matches!(
+        a.allocate(S, 64, 1000),
+        Err(Error::InvalidAlignment { .. })
+    ));
+    let x = a.allocate(S, 64, 256).unwrap();
+    a.deallocate(x).unwrap();
+}
+
+#[test]
+fn memory_limit_gives_oom_then_recovers() {
+    let (a, dev) =
+        CachingAllocator::simulated(1 << 40, Config::parse("memory_limit_mb:100").unwrap())
+            .unwrap();
+    assert_eq!(a.backend().limit(), Some(100 * MIB));
+    let x = a.allocate(S, (60 * MIB) as usize, 256).unwrap();
+    let e = a.allocate(S, (60 * MIB) as usize, 256).unwrap_err();
+    let Error::OutOfMemory(r) = &e else {
+        panic!("expected OOM, got {e}")
+    };
+    assert_eq!(r.limit, Some(100 * MIB));
+    assert_eq!(r.reserved, 60 * MIB);
+    assert!(e.to_string().contains("budget"), "{e}");
+    assert_eq!(a.stats().num_ooms, 1);
+    a.deallocate(x).unwrap();
+    let y = a.allocate(S, (90 * MIB) as usize, 256).unwrap();
+    a.deallocate(y).unwrap();
+    assert!(dev.counters().used <= 100 * MIB);
+}
+
+#[test]
+fn memory_fraction_is_a_budget() {
+    let (a, _) =
+        CachingAllocator::simulated(1000 * MIB, Config::parse("memory_fraction:0.25").unwrap())
+            .unwrap();
+    assert_eq!(a.backend().limit(), Some(250 * MIB));
+    assert!(a.allocate(S, (300 * MIB) as usize, 256).is_err());
+}
+
+#[test]
+fn shards_reclaim_each_others_cache_before_oom() {
+    let (a, _) =
+        CachingAllocator::simulated(100 * MIB, Config::parse("shards:2").unwrap()).unwrap();
+    // another thread (another shard) caches 60 MiB
+    let b = a.clone();
+    std::thread::spawn(move || {
+        let x = b.allocate(S, (60 * MIB) as usize, 256).unwrap();
+        b.deallocate(x).unwrap();
+    })
+    .join()
+    .unwrap();
+    // this thread needs 80 MiB: only possible once the other shard lets go
+    let y = a.allocate(S, (80 * MIB) as usize, 256).unwrap();
+    assert_eq!(a.stats().num_ooms, 0, "a reclaimed retry is not an OOM");
+    a.deallocate(y).unwrap();
+}
+
+#[test]
+fn freeing_from_another_thread_returns_to_the_owning_shard() {
+    let a = CachingAllocator::host(Config::parse("shards:4").unwrap()).unwrap();
+    let x = a.allocate(S, 4096, 256).unwrap();
+    let b = a.clone();
+    std::thread::spawn(move || b.deallocate(x).unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(a.stats().allocation.all.current, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn stats_serialise_and_summary_prints() {
+    let a = host();
+    let x = a.allocate(S, 3 * MIB as usize, 256).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.large_pool.current, 3 * MIB);
+    assert_eq!(s.reserved_bytes.all.current, 20 * MIB);
+    let json = serde_json::to_string(&s).unwrap();
+    let back: Stats = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, s);
+    let flat = s.to_flat_map();
+    assert_eq!(flat["allocated_bytes.all.current"], 3 * MIB);
+    let text = a.memory_summary();
+    for row in [
+        "Allocated memory",
+        "GPU reserved memory",
+        "Non-releasable memory",
+        "from large pool",
+    ] {
+        assert!(text.contains(row), "summary lacks {row}:\n{text}");
+    }
+    a.deallocate(x).unwrap();
+    a.reset_peak();
+    assert_eq!(a.stats().allocated_bytes.all.peak, 0);
+    assert_eq!(a.empty_cache(), 20 * MIB);
+    assert_eq!(a.stats().reserved_bytes.all.current, 0);
+}
+
+#[test]
+fn reserve_warms_the_cache() {
+    let (a, dev) = CachingAllocator::simulated(1 << 40, Config::default()).unwrap();
+    a.reserve(S, &[1 << 20, 50 << 20]).unwrap();
+    let before = dev.counters().allocs;
+    let x = a.allocate(S, 1 << 20, 256).unwrap();
+    let y = a.allocate(S, 50 << 20, 256).unwrap();
+    assert_eq!(dev.counters().allocs, before);
+    a.deallocate(x).unwrap();
+    a.deallocate(y).unwrap();
+}
+
+#[test]
+fn tracking_reports_leaks_through_the_allocator() {
+    let alloc: Arc<dyn Backend> = Arc::new(host());
+    let t = Tracking::new(alloc, true);
+    let p = t.allocate(S, 100, 256).unwrap();
+    let q = t.allocate(S, 200, 256).unwrap();
+    t.deallocate(p, 100, S).unwrap();
+    let leaks = t.leaks();
+    assert_eq!(leaks.len(), 1);
+    assert_eq!((leaks[0].ptr, leaks[0].bytes), (q, 200));
+    assert!(leaks[0].backtrace.is_some());
+    assert!(matches!(
+        t.deallocate(p, 100, S),
+        Err(Error::UnknownPointer { .. })
+    ));
+    t.deallocate(q, 200, S).unwrap();
+    assert!(t.leaks().is_empty());
+}
+
+#[test]
+fn host_resource_validates_frees() {
+    let h = HostResource::new();
+    let p = h.allocate(S, 8192, 256).unwrap();
+    assert!(h.deallocate(p + 8, 8192, S).is_err());
+    assert!(h.deallocate(p, 4096, S).is_err());
+    h.deallocate(p, 8192, S).unwrap();
+    assert!(h.deallocate(p, 8192, S).is_err());
+}
+
+#[test]
+fn config_from_env_is_checked() {
+    // GPUMEM_CONF is process-wide; this test only reads it through a clean parse
+    assert!(Config::parse("max_split_size_mb:200,shards:1").is_ok());
+    let e = Config::parse("max_split_size_mb:200,nonsense:1").unwrap_err();
+    assert!(e.to_string().contains("nonsense"));
+}
+
+#[test]
+fn device_buffer_round_trips_on_the_host_backend() {
+    let a = host();
+    let data: Vec<u32> = (0..10_000).collect();
+    let mut b = DeviceBuffer::from_slice(&a, S, &data).unwrap();
+    assert_eq!(b.len(), 10_000);
+    assert_eq!(b.to_vec().unwrap(), data);
+    assert_eq!(b.get(1234).unwrap(), 1234);
+    b.set(1234, 7).unwrap();
+    assert_eq!(b.get(1234).unwrap(), 7);
+    assert!(matches!(b.get(10_000), Err(Error::OutOfBounds { .. })));
+    assert!(matches!(
+        b.set(usize::MAX, 1),
+        Err(Error::OutOfBounds { .. })
+    ));
+    let s = b.slice(10..20).unwrap();
+    assert_eq!(s.to_vec().unwrap(), (10..20).collect::<Vec<u32>>());
+    assert!(b.slice(5..10_001).is_err());
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = b.slice(20..10);
+    assert!(reversed.is_err());
+    {
+        let mut m = b.slice_mut(..3).unwrap();
+        m.copy_from_host(&[9, 9, 9]).unwrap();
+        assert!(matches!(
+            m.copy_from_host(&[1]),
+            Err(Error::LengthMismatch { .. })
+        ));
+    }
+    assert_eq!(&b.to_vec().unwrap()[..4], &[9, 9, 9, 3]);
+    let z = DeviceBuffer::<f64>::zeroed(&a, S, 513).unwrap();
+    assert!(z.to_vec().unwrap().iter().all(|&v| v == 0.0));
+    let mut c = DeviceBuffer::<u32>::alloc(&a, S, 10_000).unwrap();
+    c.copy_from_device(&b).unwrap();
+    assert_eq!(c.to_vec().unwrap(), b.to_vec().unwrap());
+    let empty = DeviceBuffer::<u8>::from_slice(&a, S, &[]).unwrap();
+    assert!(empty.is_empty() && empty.to_vec().unwrap().is_empty());
+    drop((b, c, z, empty));
+    assert_eq!(
+        a.stats().allocation.all.current,
+        0,
+        "buffers return their blocks on drop"
+    );
+}
+
+#[test]
+fn device_buffer_of_arrays() {
+    let a = host();
+    let v: Vec<[f32; 768]> = (0..4).map(|i| [i as f32; 768]).collect();
+    let b = DeviceBuffer::from_slice(&a, S, &v).unwrap();
+    assert_eq!(b.num_bytes(), 4 * 768 * 4);
+    assert_eq!(b.get(3).unwrap()[767], 3.0);
+}
