@@ -1,1 +1,286 @@
-fn main() {}
+//! The `gpumem` command line.
+
+mod bench;
+
+use bench::{Plan, Row};
+use clap::{Parser, Subcommand};
+use gpumem::pool::summary::human;
+use gpumem::{Config, DeviceInfo};
+use serde::Serialize;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "gpumem",
+    version,
+    about = "GPU memory manager: device info and allocator benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Devices and their memory capabilities (or the host backend where no GPU is present).
+    Info {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// Allocation latency: gpumem's cached pool vs cuMemAlloc vs a cuMemAllocAsync pool on a
+    /// GPU; gpumem on the host backend vs the system allocator without one.
+    Alloc {
+        /// Print `{"device": ..., "rows": [...]}` instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Timed alloc+free pairs in `same_size`.
+        #[arg(long, default_value_t = 1_000_000)]
+        pairs: usize,
+        /// Timed operations per thread in the `random_256_live` scenarios.
+        #[arg(long, default_value_t = 262_144)]
+        ops: usize,
+        /// Threads of the multi-threaded scenario.
+        #[arg(long, default_value_t = 8)]
+        threads: usize,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Force the host backend even where a GPU is present.
+        #[arg(long)]
+        host: bool,
+        /// gpumem configuration (as GPUMEM_CONF); defaults to GPUMEM_CONF or the defaults.
+        #[arg(long)]
+        conf: Option<String>,
+    },
+}
+
+#[derive(Serialize)]
+struct InfoOut {
+    backend: &'static str,
+    devices: Vec<DeviceInfo>,
+    host_memory: gpumem::resource::MemInfo,
+    config: Config,
+}
+
+fn info(json: bool) -> Result<(), String> {
+    let devices = gpumem::device::devices().map_err(|e| e.to_string())?;
+    let out = InfoOut {
+        backend: if devices.is_empty() { "host" } else { "cuda" },
+        host_memory: gpumem::resource::host::host_mem_info(),
+        config: Config::from_env().map_err(|e| e.to_string())?,
+        devices,
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!("gpumem {}", env!("CARGO_PKG_VERSION"));
+    if out.devices.is_empty() {
+        println!("No CUDA GPU found (no driver library, or no device): using the host backend.");
+        println!(
+            "host memory: {} free of {}",
+            human(out.host_memory.free),
+            human(out.host_memory.total)
+        );
+    }
+    for d in &out.devices {
+        let yn = |b: bool| if b { "yes" } else { "no" };
+        println!(
+            "device {}: {} (compute {}.{}, {} SMs, driver {}.{})",
+            d.ordinal,
+            d.name,
+            d.compute_capability.0,
+            d.compute_capability.1,
+            d.multiprocessors,
+            d.driver_version / 1000,
+            (d.driver_version % 1000) / 10
+        );
+        println!(
+            "  memory                      {} free of {}",
+            human(d.free_memory),
+            human(d.total_memory)
+        );
+        println!("  managed memory              {}", yn(d.managed_memory));
+        println!(
+            "  concurrent managed access   {}",
+            yn(d.concurrent_managed_access)
+        );
+        println!(
+            "  pageable memory access      {}",
+            yn(d.pageable_memory_access)
+        );
+        println!(
+            "  virtual memory management   {}",
+            yn(d.virtual_memory_management)
+        );
+        println!("  memory pools                {}", yn(d.memory_pools));
+        println!("  unified addressing          {}", yn(d.unified_addressing));
+        let peers: Vec<String> = d.peer_access.iter().map(|p| p.to_string()).collect();
+        println!(
+            "  peer access to              {}",
+            if peers.is_empty() {
+                "none".to_string()
+            } else {
+                peers.join(", ")
+            }
+        );
+    }
+    println!(
+        "configuration (GPUMEM_CONF): {}",
+        serde_json::to_string(&out.config).unwrap_or_default()
+    );
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct BenchOut {
+    device: String,
+    rows: Vec<Row>,
+}
+
+struct AllocArgs {
+    json: bool,
+    plan: Plan,
+    device: usize,
+    host: bool,
+    conf: Option<String>,
+}
+
+fn bench_alloc(a: AllocArgs) -> Result<(), String> {
+    let config = match &a.conf {
+        Some(s) => Config::parse(s),
+        None => Config::from_env(),
+    }
+    .map_err(|e| e.to_string())?;
+    let gpu = !a.host && gpumem::device::cuda_available();
+    let (device, rows) = if gpu {
+        bench_gpu(&a, config)?
+    } else {
+        let g = bench::host_gpumem(config).map_err(|e| e.to_string())?;
+        let total = bench::units(&g, &a.plan) + bench::units(&bench::System, &a.plan);
+        let pb = bench::progress(total, a.json);
+        let mut rows = bench::run_all(&g, &a.plan, &pb);
+        rows.extend(bench::run_all(&bench::System, &a.plan, &pb));
+        pb.finish_and_clear();
+        ("host (no GPU)".to_string(), rows)
+    };
+    if a.json {
+        let out = BenchOut { device, rows };
+        println!(
+            "{}",
+            serde_json::to_string(&out).map_err(|e| e.to_string())?
+        );
+        return Ok(());
+    }
+    println!("allocation latency on {device} (one op = one alloc + one free)");
+    println!(
+        "{:<18} {:<32} {:>7} {:>12}",
+        "allocator", "scenario", "threads", "ns/op"
+    );
+    for r in &rows {
+        println!(
+            "{:<18} {:<32} {:>7} {:>12.1}",
+            r.allocator, r.scenario, r.threads, r.ns_per_op
+        );
+    }
+    for alloc in ["gpumem"] {
+        let one = rows
+            .iter()
+            .find(|r| r.allocator == alloc && r.scenario == "random_256_live");
+        let many = rows.iter().find(|r| r.allocator == alloc && r.threads > 1);
+        if let (Some(one), Some(many)) = (one, many) {
+            println!(
+                "{alloc}: {} threads give {:.1}x the single-thread throughput",
+                many.threads,
+                one.ns_per_op / many.ns_per_op
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>), String> {
+    use gpumem::resource::cuda::{CudaAsyncPool, CudaDevice};
+    use std::sync::Arc;
+    let e = |e: gpumem::Error| e.to_string();
+    let name = gpumem::device::devices()
+        .map_err(e)?
+        .into_iter()
+        .find(|d| d.ordinal == a.device)
+        .map(|d| format!("{} (device {})", d.name, d.ordinal))
+        .ok_or_else(|| format!("no CUDA device {}", a.device))?;
+    let g = bench::Gpumem(gpumem::CachingAllocator::cuda(a.device, config).map_err(e)?);
+    let raw = bench::Raw {
+        resource: Arc::new(CudaDevice::new(a.device).map_err(e)?),
+        slow: true,
+    };
+    let pool = bench::Raw {
+        resource: Arc::new(CudaAsyncPool::new(a.device, u64::MAX).map_err(e)?),
+        slow: false,
+    };
+    let total =
+        bench::units(&g, &a.plan) + bench::units(&raw, &a.plan) + bench::units(&pool, &a.plan);
+    let pb = bench::progress(total, a.json);
+    let mut rows = bench::run_all(&g, &a.plan, &pb);
+    drop(g); // give its cached segments back before the others run
+    rows.extend(bench::run_all(&pool, &a.plan, &pb));
+    drop(pool);
+    rows.extend(bench::run_all(&raw, &a.plan, &pb));
+    pb.finish_and_clear();
+    Ok((name, rows))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_gpu(_: &AllocArgs, _: Config) -> Result<(String, Vec<Row>), String> {
+    Err("built without the cuda feature".into())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Command::Info { json } => info(json),
+        Command::Bench {
+            what:
+                BenchWhat::Alloc {
+                    json,
+                    pairs,
+                    ops,
+                    threads,
+                    device,
+                    host,
+                    conf,
+                },
+        } => bench_alloc(AllocArgs {
+            json,
+            plan: Plan {
+                pairs,
+                ops,
+                threads: threads.max(1),
+            },
+            device,
+            host,
+            conf,
+        }),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpumem: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

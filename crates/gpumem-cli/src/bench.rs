@@ -1,0 +1,273 @@
+//! `gpumem bench alloc`: allocation latency of gpumem's cached pool against the driver's
+//! allocators on a GPU, or against the system allocator on the host backend.
+
+use gpumem::workload::RandomLive;
+use gpumem::{Allocation, CachingAllocator, Config, Resource, Stream};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::alloc::Layout;
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+/// One measured row.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub allocator: String,
+    pub scenario: String,
+    pub threads: usize,
+    pub ns_per_op: f64,
+}
+
+/// What a benchmark needs from an allocator: one alloc and one free.
+pub trait Api: Sync {
+    type Handle: Send;
+    fn name(&self) -> String;
+    fn alloc(&self, bytes: usize) -> Self::Handle;
+    fn free(&self, h: Self::Handle);
+    /// How many timed operations this allocator can afford (the driver's are slow).
+    fn budget(&self, wanted: usize) -> usize {
+        wanted
+    }
+}
+
+pub struct Gpumem(pub CachingAllocator);
+
+impl Api for Gpumem {
+    type Handle = Allocation;
+    fn name(&self) -> String {
+        "gpumem".into()
+    }
+    fn alloc(&self, bytes: usize) -> Allocation {
+        self.0
+            .allocate(Stream::DEFAULT, bytes, 256)
+            .unwrap_or_else(|e| fail(&e))
+    }
+    fn free(&self, h: Allocation) {
+        self.0.deallocate(h).unwrap_or_else(|e| fail(&e))
+    }
+}
+
+/// A raw resource with no caching (cuMemAlloc, cuMemAllocAsync).
+pub struct Raw {
+    pub resource: Arc<dyn Resource>,
+    pub slow: bool,
+}
+
+impl Api for Raw {
+    type Handle = (u64, usize);
+    fn name(&self) -> String {
+        self.resource.name().to_string()
+    }
+    fn alloc(&self, bytes: usize) -> (u64, usize) {
+        let p = self
+            .resource
+            .allocate(Stream::DEFAULT, bytes, 256)
+            .unwrap_or_else(|e| fail(&e));
+        (p, bytes)
+    }
+    fn free(&self, (p, n): (u64, usize)) {
+        self.resource
+            .deallocate(p, n, Stream::DEFAULT)
+            .unwrap_or_else(|e| fail(&e))
+    }
+    fn budget(&self, wanted: usize) -> usize {
+        if self.slow {
+            wanted.min(2048)
+        } else {
+            wanted
+        }
+    }
+}
+
+/// The process's global allocator (malloc): the host baseline.
+pub struct System;
+
+pub struct SysPtr(*mut u8, usize);
+// SAFETY: a heap pointer owned by exactly one handle; malloc memory may be freed on any thread.
+unsafe impl Send for SysPtr {}
+
+impl Api for System {
+    type Handle = SysPtr;
+    fn name(&self) -> String {
+        "system".into()
+    }
+    fn alloc(&self, bytes: usize) -> SysPtr {
+        let l = Layout::from_size_align(bytes, 256).expect("valid layout");
+        // SAFETY: non-zero size; freed once in `free` with the same layout.
+        SysPtr(std::hint::black_box(unsafe { std::alloc::alloc(l) }), bytes)
+    }
+    fn free(&self, SysPtr(p, n): SysPtr) {
+        let l = Layout::from_size_align(n, 256).expect("valid layout");
+        // SAFETY: `p` came from `alloc` with this layout.
+        unsafe { std::alloc::dealloc(p, l) }
+    }
+}
+
+fn fail(e: &gpumem::Error) -> ! {
+    eprintln!("gpumem bench: allocation failed: {e}");
+    std::process::exit(1)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Plan of one run, for the progress bar.
+pub struct Plan {
+    pub pairs: usize,
+    pub ops: usize,
+    pub threads: usize,
+}
+
+pub fn progress(total: u64, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg:<40} [{bar:30}] {percent:>3}% {elapsed}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    pb
+}
+
+const BATCH: usize = 1000;
+
+/// `same_size`: alloc+free pairs of 4 KiB on one thread; median ns per pair over batches.
+pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
+    let pairs = api.budget(pairs).max(BATCH);
+    for _ in 0..BATCH {
+        let h = api.alloc(4096);
+        api.free(h);
+    }
+    let mut per = Vec::new();
+    for _ in 0..pairs / BATCH {
+        let t = Instant::now();
+        for _ in 0..BATCH {
+            let h = api.alloc(std::hint::black_box(4096));
+            api.free(h);
+        }
+        per.push(t.elapsed().as_nanos() as f64 / BATCH as f64);
+        pb.inc(BATCH as u64);
+    }
+    Row {
+        allocator: api.name(),
+        scenario: "same_size".into(),
+        threads: 1,
+        ns_per_op: median(per),
+    }
+}
+
+/// Run `ops` steps of the random workload over `live`, timing batches; returns ns per op
+/// (one op = one free + one alloc) for each batch.
+fn random_steps<A: Api>(
+    api: &A,
+    w: &RandomLive,
+    live: &mut [A::Handle],
+    ops: usize,
+    pb: &ProgressBar,
+) -> Vec<f64> {
+    let mut per = Vec::new();
+    let mut step = 0usize;
+    while step < ops {
+        let n = BATCH.min(ops - step);
+        let t = Instant::now();
+        for _ in 0..n {
+            let i = step % w.sizes.len();
+            step += 1;
+            let new = api.alloc(w.sizes[i]);
+            let old = std::mem::replace(&mut live[w.slots[i]], new);
+            api.free(old);
+        }
+        per.push(t.elapsed().as_nanos() as f64 / n as f64);
+        pb.inc(n as u64);
+    }
+    per
+}
+
+fn warm_set<A: Api>(api: &A, w: &RandomLive) -> Vec<A::Handle> {
+    (0..w.live).map(|i| api.alloc(w.sizes[i])).collect()
+}
+
+/// `random_256_live`: 256 live blocks of 256 B – 64 MiB; free one, allocate another.
+/// A warm-up pass first (so the cached pool is filled), then median ns per op over batches.
+pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
+    let ops = api.budget(ops);
+    let w = RandomLive::standard(1, 1 << 16);
+    let mut live = warm_set(api, &w);
+    random_steps(api, &w, &mut live, api.budget(w.sizes.len()), pb);
+    let per = random_steps(api, &w, &mut live, ops, pb);
+    for h in live {
+        api.free(h);
+    }
+    Row {
+        allocator: api.name(),
+        scenario: "random_256_live".into(),
+        threads: 1,
+        ns_per_op: median(per),
+    }
+}
+
+/// `random_256_live_N_threads`: the same on N threads at once, each with its own live set;
+/// ns per op = wall time / all ops of all threads (so 8 threads that never wait show 1/8 of
+/// the single-thread figure).
+pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &ProgressBar) -> Row {
+    let ops = api.budget(ops);
+    let barrier = Barrier::new(threads + 1);
+    let wall = std::thread::scope(|s| {
+        for t in 0..threads {
+            let barrier = &barrier;
+            s.spawn(move || {
+                let w = RandomLive::standard(100 + t as u64, 1 << 16);
+                let mut live = warm_set(api, &w);
+                random_steps(api, &w, &mut live, api.budget(w.sizes.len()), pb);
+                barrier.wait();
+                random_steps(api, &w, &mut live, ops, pb);
+                barrier.wait();
+                for h in live {
+                    api.free(h);
+                }
+            });
+        }
+        barrier.wait();
+        let t = Instant::now();
+        barrier.wait();
+        t.elapsed()
+    });
+    Row {
+        allocator: api.name(),
+        scenario: format!("random_256_live_{threads}_threads"),
+        threads,
+        ns_per_op: wall.as_nanos() as f64 / (ops * threads) as f64,
+    }
+}
+
+/// Run every scenario for one allocator.
+pub fn run_all<A: Api>(api: &A, plan: &Plan, pb: &ProgressBar) -> Vec<Row> {
+    pb.set_message(format!("{}: same_size", api.name()));
+    let mut rows = vec![same_size(api, plan.pairs, pb)];
+    pb.set_message(format!("{}: random_256_live", api.name()));
+    rows.push(random_live(api, plan.ops, pb));
+    pb.set_message(format!(
+        "{}: random_256_live, {} threads",
+        api.name(),
+        plan.threads
+    ));
+    rows.push(random_live_threads(api, plan.threads, plan.ops, pb));
+    rows
+}
+
+/// Total progress units of `run_all` for an allocator.
+pub fn units<A: Api>(api: &A, plan: &Plan) -> u64 {
+    let warm = api.budget(1 << 16);
+    let pairs = api.budget(plan.pairs).max(BATCH) / BATCH * BATCH;
+    let ops = api.budget(plan.ops);
+    (pairs + (warm + ops) * (1 + plan.threads)) as u64
+}
+
+/// gpumem over the host backend with the bench's configuration.
+pub fn host_gpumem(config: Config) -> gpumem::Result<Gpumem> {
+    Ok(Gpumem(CachingAllocator::host(config)?))
+}
