@@ -196,7 +196,9 @@ fn bench_alloc(a: AllocArgs) -> Result<(), String> {
             r.allocator, r.scenario, r.threads, r.ns_per_op
         );
     }
-    for alloc in ["gpumem"] {
+    let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
+    names.dedup();
+    for alloc in names {
         let one = rows
             .iter()
             .find(|r| r.allocator == alloc && r.scenario == "random_256_live");
