@@ -295,7 +295,7 @@ impl CachingAllocator {
     pub fn stats(&self) -> Stats {
         let mut total = Stats::default();
         for j in 0..self.inner.shards.len() {
-            total.merge(self.shard(j).stats());
+            total.merge(&self.shard(j).stats());
         }
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
         total

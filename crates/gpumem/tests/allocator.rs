@@ -238,3 +238,45 @@ fn device_buffer_of_arrays() {
     assert_eq!(b.num_bytes(), 4 * 768 * 4);
     assert_eq!(b.get(3).unwrap()[767], 3.0);
 }
+
+#[test]
+fn active_stats_include_blocks_waiting_on_events() {
+    let (a, dev) = CachingAllocator::simulated(1 << 40, Config::default()).unwrap();
+    dev.set_auto_complete(false);
+    let x = a.allocate(S, 4096, 256).unwrap();
+    let y = a.allocate(S, 8192, 256).unwrap();
+    a.record_stream(&x, Stream(9)).unwrap();
+    a.deallocate(x).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocation.all.current, 1);
+    assert_eq!(
+        s.active.all.current, 2,
+        "the freed block still waits on stream 9"
+    );
+    assert_eq!(s.active_bytes.all.current, 4096 + 8192);
+    assert_eq!(s.active.all.peak, 2);
+    assert_eq!(s.num_deferred_frees, 1);
+    dev.complete_events();
+    a.deallocate(y).unwrap();
+    let z = a.allocate(S, 512, 256).unwrap(); // processes the completed event
+    let s = a.stats();
+    assert_eq!(s.active.all.current, 1);
+    assert_eq!(s.active.all.peak, 2);
+    assert_eq!(s.active.all.allocated, 3);
+    assert_eq!(s.active.all.freed, 2);
+    for st in [
+        s.allocation,
+        s.active,
+        s.allocated_bytes,
+        s.active_bytes,
+        s.reserved_bytes,
+    ] {
+        assert!(st.all.peak >= st.all.current);
+        assert_eq!(st.all.allocated - st.all.freed, st.all.current);
+        assert_eq!(
+            st.all.current,
+            st.small_pool.current + st.large_pool.current
+        );
+    }
+    a.deallocate(z).unwrap();
+}

@@ -29,6 +29,7 @@ use free_index::FreeIndex;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use size::{round_size, segment_size, LARGE_SEGMENT, MAX_REQUEST, MIN_BLOCK, SMALL_SIZE};
+use stats::HotStats;
 pub use stats::{PoolKind, Stat, StatArray, Stats};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,6 +55,7 @@ enum State {
 
 #[derive(Debug)]
 struct Block {
+    // 64 bytes: one cache line (checked by a test)
     addr: u64,
     size: u64,
     /// bytes asked for by the current (or last) allocation
@@ -66,8 +68,9 @@ struct Block {
     next: u32,
     state: State,
     kind: PoolKind,
-    /// other streams recorded as users (record_stream)
-    uses: Vec<Stream>,
+    /// other streams recorded as users (record_stream); boxed to keep blocks to a cache line
+    #[allow(clippy::box_collection)] // 8 bytes instead of 24: see `a_block_is_one_cache_line`
+    uses: Option<Box<Vec<Stream>>>,
     /// listed in the address map (allocated through the address-only API)
     tracked: bool,
 }
@@ -163,9 +166,12 @@ pub struct CachingPool {
     live: FxHashMap<DevPtr, u32>,
     allocated_blocks: usize,
     quick: Vec<(u64, Stream, u32)>,
+    /// +8 per quick-cache hit, -1 per miss, within ±64: below 0 the cache is mostly bypassed
+    quick_score: i32,
+    quick_probe: u32,
     pending: Vec<(u32, Vec<Event>)>,
     streams: Vec<Stream>,
-    stats: Stats,
+    stats: HotStats,
     tick: u64,
 }
 
@@ -206,9 +212,11 @@ impl CachingPool {
             live: FxHashMap::default(),
             allocated_blocks: 0,
             quick: Vec::with_capacity(config.quick_cache),
+            quick_score: 0,
+            quick_probe: 0,
             pending: Vec::new(),
             streams: Vec::new(),
-            stats: Stats::default(),
+            stats: HotStats::default(),
             tick: 0,
         }
     }
@@ -219,8 +227,8 @@ impl CachingPool {
     }
 
     /// Current statistics of this pool.
-    pub fn stats(&self) -> &Stats {
-        &self.stats
+    pub fn stats(&self) -> Stats {
+        self.stats.snapshot()
     }
 
     /// Set every peak statistic to its current value.
@@ -297,12 +305,7 @@ impl CachingPool {
             self.live.insert(addr, id);
         }
         self.allocated_blocks += 1;
-        let s = &mut self.stats;
-        s.allocation.inc(kind, 1);
-        s.allocated_bytes.inc(kind, bsize);
-        s.requested_bytes.inc(kind, req);
-        s.active.inc(kind, 1);
-        s.active_bytes.inc(kind, bsize);
+        self.stats.on_alloc(kind, bsize, req);
         Ok(PoolAlloc {
             addr,
             block_size: bsize,
@@ -313,10 +316,18 @@ impl CachingPool {
     /// Exact-size reuse of a recently freed block of the same stream.
     #[inline]
     fn take_quick(&mut self, stream: Stream, size: u64) -> Option<u32> {
-        let pos = self
+        if self.quick.is_empty() {
+            return None;
+        }
+        let Some(pos) = self
             .quick
             .iter()
-            .rposition(|&(s, st, _)| s == size && st == stream)?;
+            .rposition(|&(s, st, _)| s == size && st == stream)
+        else {
+            self.quick_score = (self.quick_score - 1).max(-64);
+            return None;
+        };
+        self.quick_score = (self.quick_score + 8).min(64);
         let (_, _, id) = self.quick.swap_remove(pos);
         self.unmark_inactive(id);
         Some(id)
@@ -471,8 +482,8 @@ impl CachingPool {
             segment_request,
             device_free: info.map_or(0, |m| m.free),
             device_total: info.map_or(0, |m| m.total),
-            reserved: self.stats.reserved_bytes.all.current,
-            allocated: self.stats.allocated_bytes.all.current,
+            reserved: self.stats.reserved(),
+            allocated: self.stats.allocated(),
             largest_free_block: self.largest_free_block(),
             limit: self.backend.limit(),
         }))
@@ -509,7 +520,7 @@ impl CachingPool {
             next: NIL,
             state: State::Allocated,
             kind,
-            uses: Vec::new(),
+            uses: None,
             tracked: false,
         });
         self.segments[seg as usize].head = id;
@@ -545,7 +556,7 @@ impl CachingPool {
             next: b.next,
             state: State::Allocated,
             kind: b.kind,
-            uses: Vec::new(),
+            uses: None,
             tracked: false,
         };
         let next = b.next;
@@ -588,12 +599,10 @@ impl CachingPool {
         self.allocated_blocks -= 1;
         let b = &mut self.blocks[id as usize];
         let (kind, size, req) = (b.kind, b.size, b.requested);
-        let s = &mut self.stats;
-        s.allocation.dec(kind, 1);
-        s.allocated_bytes.dec(kind, size);
-        s.requested_bytes.dec(kind, req);
-        if !b.uses.is_empty() {
-            let uses = std::mem::take(&mut b.uses);
+        let deferred = b.uses.is_some();
+        self.stats.on_free(kind, size, req, deferred);
+        if deferred {
+            let uses = b.uses.take().map(|u| *u).unwrap_or_default();
             b.state = State::Pending;
             let mut events = Vec::with_capacity(uses.len());
             for st in uses {
@@ -605,13 +614,10 @@ impl CachingPool {
                     }
                 }
             }
-            self.stats.num_deferred_frees += 1;
             self.pending.push((id, events));
             return Ok(());
         }
-        self.stats.active.dec(kind, 1);
-        self.stats.active_bytes.dec(kind, size);
-        if self.policy.quick_cap == 0 {
+        if !self.use_quick() {
             self.free_block(id);
             return Ok(());
         }
@@ -625,6 +631,18 @@ impl CachingPool {
         self.quick.push((b.rounded, b.stream, id));
         self.mark_inactive(id);
         Ok(())
+    }
+
+    /// Whether a freed block goes to the quick cache. The cache pays off when sizes repeat; when
+    /// recent allocations kept missing it, only one free in 32 still goes there (so that a
+    /// return of repeating sizes is noticed) and the rest coalesce at once.
+    #[inline]
+    fn use_quick(&mut self) -> bool {
+        if self.policy.quick_cap == 0 {
+            return false;
+        }
+        self.quick_probe = self.quick_probe.wrapping_add(1);
+        self.quick_score >= 0 || self.quick_probe % 32 == 0
     }
 
     /// Why `addr` cannot be freed.
@@ -661,8 +679,11 @@ impl CachingPool {
             Some(b) if b.addr == addr && b.state == State::Allocated && b.segment != NIL => b,
             _ => return Err(Error::UnknownPointer { ptr: addr }),
         };
-        if b.stream != stream && !b.uses.contains(&stream) {
-            b.uses.push(stream);
+        if b.stream != stream {
+            let uses = b.uses.get_or_insert_with(Default::default);
+            if !uses.contains(&stream) {
+                uses.push(stream);
+            }
         }
         Ok(())
     }
@@ -749,8 +770,7 @@ impl CachingPool {
         }
         let b = &self.blocks[id as usize];
         let (kind, size) = (b.kind, b.size);
-        self.stats.active.dec(kind, 1);
-        self.stats.active_bytes.dec(kind, size);
+        self.stats.on_pending_done(kind, size);
         self.free_block(id);
     }
 
@@ -834,7 +854,7 @@ impl CachingPool {
                 next: NIL,
                 state: State::Allocated,
                 kind: PoolKind::Small,
-                uses: Vec::new(),
+                uses: None,
                 tracked: false,
             },
         )
@@ -995,8 +1015,8 @@ impl CachingPool {
         let mut live = 0usize;
         for &seg in self.segment_index.values() {
             let s = &self.segments[seg as usize];
-            want.segment.inc(s.kind, 1);
-            want.reserved_bytes.inc(s.kind, s.size);
+            want.segment.add_current(s.kind, 1);
+            want.reserved_bytes.add_current(s.kind, s.size);
             let (mut id, mut cursor, mut prev) = (s.head, s.addr, NIL);
             let mut prev_free = false;
             while id != NIL {
@@ -1026,21 +1046,21 @@ impl CachingPool {
                         if b.tracked && self.live.get(&b.addr) != Some(&id) {
                             return Err(format!("allocated block {:#x} not in live map", b.addr));
                         }
-                        want.allocation.inc(b.kind, 1);
-                        want.allocated_bytes.inc(b.kind, b.size);
-                        want.requested_bytes.inc(b.kind, b.requested);
-                        want.active.inc(b.kind, 1);
-                        want.active_bytes.inc(b.kind, b.size);
+                        want.allocation.add_current(b.kind, 1);
+                        want.allocated_bytes.add_current(b.kind, b.size);
+                        want.requested_bytes.add_current(b.kind, b.requested);
+                        want.active.add_current(b.kind, 1);
+                        want.active_bytes.add_current(b.kind, b.size);
                     }
                     State::Pending => {
-                        want.active.inc(b.kind, 1);
-                        want.active_bytes.inc(b.kind, b.size);
+                        want.active.add_current(b.kind, 1);
+                        want.active_bytes.add_current(b.kind, b.size);
                     }
                     State::Quick => {}
                 }
                 if matches!(b.state, State::Free | State::Quick) && split {
-                    want.inactive_split.inc(b.kind, 1);
-                    want.inactive_split_bytes.inc(b.kind, b.size);
+                    want.inactive_split.add_current(b.kind, 1);
+                    want.inactive_split_bytes.add_current(b.kind, b.size);
                 }
                 prev_free = b.state == State::Free;
                 cursor += b.size;
@@ -1073,35 +1093,28 @@ impl CachingPool {
                 self.live.len()
             ));
         }
+        let have = self.stats.snapshot();
         let pairs = [
-            ("allocation", &want.allocation, &self.stats.allocation),
-            ("segment", &want.segment, &self.stats.segment),
-            ("active", &want.active, &self.stats.active),
-            (
-                "inactive_split",
-                &want.inactive_split,
-                &self.stats.inactive_split,
-            ),
+            ("allocation", &want.allocation, &have.allocation),
+            ("segment", &want.segment, &have.segment),
+            ("active", &want.active, &have.active),
+            ("inactive_split", &want.inactive_split, &have.inactive_split),
             (
                 "allocated_bytes",
                 &want.allocated_bytes,
-                &self.stats.allocated_bytes,
+                &have.allocated_bytes,
             ),
-            (
-                "reserved_bytes",
-                &want.reserved_bytes,
-                &self.stats.reserved_bytes,
-            ),
-            ("active_bytes", &want.active_bytes, &self.stats.active_bytes),
+            ("reserved_bytes", &want.reserved_bytes, &have.reserved_bytes),
+            ("active_bytes", &want.active_bytes, &have.active_bytes),
             (
                 "inactive_split_bytes",
                 &want.inactive_split_bytes,
-                &self.stats.inactive_split_bytes,
+                &have.inactive_split_bytes,
             ),
             (
                 "requested_bytes",
                 &want.requested_bytes,
-                &self.stats.requested_bytes,
+                &have.requested_bytes,
             ),
         ];
         for (name, w, h) in pairs {
@@ -1151,3 +1164,9 @@ impl Drop for CachingPool {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+#[test]
+fn a_block_is_one_cache_line() {
+    assert!(std::mem::size_of::<Block>() <= 64);
+}

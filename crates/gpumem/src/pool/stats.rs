@@ -16,22 +16,6 @@ pub struct Stat {
 }
 
 impl Stat {
-    #[inline]
-    pub(crate) fn inc(&mut self, n: u64) {
-        self.current += n;
-        self.allocated += n;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
-    }
-
-    #[inline]
-    pub(crate) fn dec(&mut self, n: u64) {
-        debug_assert!(self.current >= n, "stat underflow");
-        self.current -= n;
-        self.freed += n;
-    }
-
     fn merge(&mut self, o: &Stat) {
         self.current += o.current;
         self.peak += o.peak;
@@ -44,9 +28,9 @@ impl Stat {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum PoolKind {
     /// blocks of at most 1 MiB, in 2 MiB segments
-    Small,
+    Small = 0,
     /// everything larger
-    Large,
+    Large = 1,
 }
 
 /// A stat for all blocks and for each pool.
@@ -61,21 +45,12 @@ pub struct StatArray {
 }
 
 impl StatArray {
-    #[inline]
-    pub(crate) fn inc(&mut self, pool: PoolKind, n: u64) {
-        self.all.inc(n);
+    /// Add `n` to the current value of all and of `pool` (for recomputing stats in checks).
+    pub(crate) fn add_current(&mut self, pool: PoolKind, n: u64) {
+        self.all.current += n;
         match pool {
-            PoolKind::Small => self.small_pool.inc(n),
-            PoolKind::Large => self.large_pool.inc(n),
-        }
-    }
-
-    #[inline]
-    pub(crate) fn dec(&mut self, pool: PoolKind, n: u64) {
-        self.all.dec(n);
-        match pool {
-            PoolKind::Small => self.small_pool.dec(n),
-            PoolKind::Large => self.large_pool.dec(n),
+            PoolKind::Small => self.small_pool.current += n,
+            PoolKind::Large => self.large_pool.current += n,
         }
     }
 
@@ -202,5 +177,231 @@ impl Stats {
         }
         walk("", &v, &mut m);
         m
+    }
+}
+
+/// One pool's counter on the hot path: current, peak and cumulative increments
+/// (decrements are `total - cur`).
+#[derive(Debug, Clone, Copy, Default)]
+struct Lane {
+    cur: u64,
+    peak: u64,
+    total: u64,
+}
+
+/// A counter for each pool plus the all-pool current and peak: the cheap form of a
+/// [`StatArray`] that the pool updates on every operation.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Tri {
+    lanes: [Lane; 2],
+    all_cur: u64,
+    all_peak: u64,
+}
+
+impl Tri {
+    #[inline(always)]
+    pub(crate) fn inc(&mut self, k: PoolKind, n: u64) {
+        let l = &mut self.lanes[k as usize];
+        l.cur += n;
+        l.total += n;
+        l.peak = l.peak.max(l.cur);
+        self.all_cur += n;
+        self.all_peak = self.all_peak.max(self.all_cur);
+    }
+
+    #[inline(always)]
+    pub(crate) fn dec(&mut self, k: PoolKind, n: u64) {
+        debug_assert!(self.lanes[k as usize].cur >= n, "stat underflow");
+        self.lanes[k as usize].cur -= n;
+        self.all_cur -= n;
+    }
+
+    pub(crate) fn current(&self) -> u64 {
+        self.all_cur
+    }
+
+    fn lane(&self, k: PoolKind) -> u64 {
+        self.lanes[k as usize].cur
+    }
+
+    fn reset_peak(&mut self) {
+        for l in &mut self.lanes {
+            l.peak = l.cur;
+        }
+        self.all_peak = self.all_cur;
+    }
+
+    fn snapshot(&self) -> StatArray {
+        let stat = |l: &Lane| Stat {
+            current: l.cur,
+            peak: l.peak,
+            allocated: l.total,
+            freed: l.total - l.cur,
+        };
+        let total = self.lanes[0].total + self.lanes[1].total;
+        StatArray {
+            all: Stat {
+                current: self.all_cur,
+                peak: self.all_peak,
+                allocated: total,
+                freed: total - self.all_cur,
+            },
+            small_pool: stat(&self.lanes[0]),
+            large_pool: stat(&self.lanes[1]),
+        }
+    }
+}
+
+/// The pool's live statistics, kept in the cheapest form to update; [`HotStats::snapshot`]
+/// gives the public [`Stats`]. "Active" is derived: allocated blocks plus blocks waiting on
+/// stream events, with its peak checked whenever it can grow (at allocation).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct HotStats {
+    allocation: Tri,
+    allocated_bytes: Tri,
+    requested_bytes: Tri,
+    pending: Tri,
+    pending_bytes: Tri,
+    /// peaks of active count and bytes: small, large, all
+    active_peak: [u64; 3],
+    active_bytes_peak: [u64; 3],
+    pub(crate) segment: Tri,
+    pub(crate) reserved_bytes: Tri,
+    pub(crate) inactive_split: Tri,
+    pub(crate) inactive_split_bytes: Tri,
+    pub(crate) num_alloc_retries: u64,
+    pub(crate) num_ooms: u64,
+    pub(crate) num_device_alloc: u64,
+    pub(crate) num_device_free: u64,
+    pub(crate) num_sync_all_streams: u64,
+    pub(crate) cache_hits: u64,
+    pub(crate) cache_misses: u64,
+    pub(crate) num_cross_stream_reuses: u64,
+    pub(crate) num_deferred_frees: u64,
+}
+
+impl HotStats {
+    /// A block of `size` bytes handed out for a request of `req` bytes.
+    #[inline(always)]
+    pub(crate) fn on_alloc(&mut self, k: PoolKind, size: u64, req: u64) {
+        self.allocation.inc(k, 1);
+        self.allocated_bytes.inc(k, size);
+        self.requested_bytes.inc(k, req);
+        let i = k as usize;
+        let count = self.allocation.lane(k) + self.pending.lane(k);
+        let bytes = self.allocated_bytes.lane(k) + self.pending_bytes.lane(k);
+        self.active_peak[i] = self.active_peak[i].max(count);
+        self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes);
+        let count = self.allocation.all_cur + self.pending.all_cur;
+        let bytes = self.allocated_bytes.all_cur + self.pending_bytes.all_cur;
+        self.active_peak[2] = self.active_peak[2].max(count);
+        self.active_bytes_peak[2] = self.active_bytes_peak[2].max(bytes);
+    }
+
+    /// A block returned by the caller; `deferred` if it waits on stream events first.
+    #[inline(always)]
+    pub(crate) fn on_free(&mut self, k: PoolKind, size: u64, req: u64, deferred: bool) {
+        self.allocation.dec(k, 1);
+        self.allocated_bytes.dec(k, size);
+        self.requested_bytes.dec(k, req);
+        if deferred {
+            self.pending.inc(k, 1);
+            self.pending_bytes.inc(k, size);
+            self.num_deferred_frees += 1;
+        }
+    }
+
+    /// A deferred block's events completed.
+    pub(crate) fn on_pending_done(&mut self, k: PoolKind, size: u64) {
+        self.pending.dec(k, 1);
+        self.pending_bytes.dec(k, size);
+    }
+
+    pub(crate) fn reserved(&self) -> u64 {
+        self.reserved_bytes.current()
+    }
+
+    pub(crate) fn allocated(&self) -> u64 {
+        self.allocated_bytes.current()
+    }
+
+    pub(crate) fn reset_peak(&mut self) {
+        for t in [
+            &mut self.allocation,
+            &mut self.allocated_bytes,
+            &mut self.requested_bytes,
+            &mut self.pending,
+            &mut self.pending_bytes,
+            &mut self.segment,
+            &mut self.reserved_bytes,
+            &mut self.inactive_split,
+            &mut self.inactive_split_bytes,
+        ] {
+            t.reset_peak();
+        }
+        let active = self.active();
+        let active_bytes = self.active_bytes();
+        for (i, (c, b)) in [
+            (active.small_pool, active_bytes.small_pool),
+            (active.large_pool, active_bytes.large_pool),
+            (active.all, active_bytes.all),
+        ]
+        .iter()
+        .enumerate()
+        {
+            self.active_peak[i] = c.current;
+            self.active_bytes_peak[i] = b.current;
+        }
+    }
+
+    fn derived(base: &Tri, pending: &Tri, peaks: &[u64; 3]) -> StatArray {
+        let (a, p) = (base.snapshot(), pending.snapshot());
+        let mk = |a: Stat, p: Stat, peak: u64| Stat {
+            current: a.current + p.current,
+            peak,
+            allocated: a.allocated,
+            freed: a.allocated - (a.current + p.current),
+        };
+        StatArray {
+            all: mk(a.all, p.all, peaks[2]),
+            small_pool: mk(a.small_pool, p.small_pool, peaks[0]),
+            large_pool: mk(a.large_pool, p.large_pool, peaks[1]),
+        }
+    }
+
+    fn active(&self) -> StatArray {
+        Self::derived(&self.allocation, &self.pending, &self.active_peak)
+    }
+
+    fn active_bytes(&self) -> StatArray {
+        Self::derived(
+            &self.allocated_bytes,
+            &self.pending_bytes,
+            &self.active_bytes_peak,
+        )
+    }
+
+    /// The public statistics.
+    pub(crate) fn snapshot(&self) -> Stats {
+        Stats {
+            allocation: self.allocation.snapshot(),
+            segment: self.segment.snapshot(),
+            active: self.active(),
+            inactive_split: self.inactive_split.snapshot(),
+            allocated_bytes: self.allocated_bytes.snapshot(),
+            reserved_bytes: self.reserved_bytes.snapshot(),
+            active_bytes: self.active_bytes(),
+            inactive_split_bytes: self.inactive_split_bytes.snapshot(),
+            requested_bytes: self.requested_bytes.snapshot(),
+            num_alloc_retries: self.num_alloc_retries,
+            num_ooms: self.num_ooms,
+            num_device_alloc: self.num_device_alloc,
+            num_device_free: self.num_device_free,
+            num_sync_all_streams: self.num_sync_all_streams,
+            cache_hits: self.cache_hits,
+            cache_misses: self.cache_misses,
+            num_cross_stream_reuses: self.num_cross_stream_reuses,
+            num_deferred_frees: self.num_deferred_frees,
+        }
     }
 }

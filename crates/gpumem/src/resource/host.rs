@@ -6,14 +6,26 @@ use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::alloc::Layout;
 
-/// Smallest alignment of host segments (a page).
-const HOST_MIN_ALIGN: usize = 4096;
+/// Smallest alignment of host segments.
+const HOST_MIN_ALIGN: usize = 512;
 
-/// Host memory from the system allocator. Segments are zeroed when first obtained, so every byte
-/// a typed buffer can read is initialised. Work is synchronous: every event is complete at once.
+/// A live host segment: the aligned address handed out, and the allocation behind it.
+#[derive(Debug, Clone, Copy)]
+struct Raw {
+    base: *mut u8,
+    layout: Layout,
+    bytes: usize,
+}
+
+// SAFETY: `base` is a heap allocation owned by the registry; it is only freed under its lock.
+unsafe impl Send for Raw {}
+
+/// Host memory from the system allocator. Segments are zeroed when first obtained (through
+/// calloc, so large ones cost no page touches until used), so every byte a typed buffer can
+/// read is initialised. Work is synchronous: every event is complete at once.
 #[derive(Debug, Default)]
 pub struct HostResource {
-    live: Mutex<FxHashMap<DevPtr, Layout>>,
+    live: Mutex<FxHashMap<DevPtr, Raw>>,
 }
 
 impl HostResource {
@@ -24,7 +36,7 @@ impl HostResource {
 
     /// Bytes currently obtained from the system allocator.
     pub fn outstanding_bytes(&self) -> u64 {
-        self.live.lock().values().map(|l| l.size() as u64).sum()
+        self.live.lock().values().map(|r| r.bytes as u64).sum()
     }
 }
 
@@ -33,34 +45,47 @@ impl Resource for HostResource {
         if bytes == 0 {
             return Err(Error::ZeroSize);
         }
-        let layout = Layout::from_size_align(bytes, align.max(HOST_MIN_ALIGN)).map_err(|_| {
-            Error::InvalidAlignment {
-                align,
-                max: 1 << 30,
-            }
-        })?;
+        let align = align.max(HOST_MIN_ALIGN);
+        let bad_align = || Error::InvalidAlignment {
+            align,
+            max: 1 << 30,
+        };
+        if !align.is_power_of_two() || align > 1 << 30 {
+            return Err(bad_align());
+        }
+        // Over-allocate with the natural alignment (which lets the system use calloc, whose
+        // large blocks come zeroed from the kernel) and align inside the block.
+        let total = bytes.checked_add(align).ok_or_else(bad_align)?;
+        let layout = Layout::from_size_align(total, 16).map_err(|_| bad_align())?;
         // SAFETY: the layout has a non-zero size (checked above).
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
-        if p.is_null() {
+        let base = unsafe { std::alloc::alloc_zeroed(layout) };
+        if base.is_null() {
             return Err(Error::ResourceExhausted {
                 resource: "host".into(),
                 bytes: bytes as u64,
             });
         }
-        self.live.lock().insert(p as DevPtr, layout);
-        Ok(p as DevPtr)
+        let ptr = (base as usize).next_multiple_of(align) as DevPtr;
+        self.live.lock().insert(
+            ptr,
+            Raw {
+                base,
+                layout,
+                bytes,
+            },
+        );
+        Ok(ptr)
     }
 
     fn deallocate(&self, ptr: DevPtr, bytes: usize, _stream: Stream) -> Result<()> {
         let mut live = self.live.lock();
-        match live.get(&ptr) {
-            Some(layout) if layout.size() == bytes => {
-                let layout = *layout;
+        match live.get(&ptr).copied() {
+            Some(raw) if raw.bytes == bytes => {
                 live.remove(&ptr);
                 drop(live);
-                // SAFETY: `ptr` came from `alloc_zeroed` with exactly this layout (the registry
+                // SAFETY: `raw.base` came from `alloc_zeroed` with `raw.layout` (the registry
                 // proves it) and is removed from the registry, so it is freed once.
-                unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+                unsafe { std::alloc::dealloc(raw.base, raw.layout) };
                 Ok(())
             }
             Some(_) => Err(Error::Config(format!(
@@ -85,9 +110,9 @@ impl Resource for HostResource {
 
 impl Drop for HostResource {
     fn drop(&mut self) {
-        for (ptr, layout) in self.live.get_mut().drain() {
-            // SAFETY: every registered pointer came from `alloc_zeroed` with its layout.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        for (_, raw) in self.live.get_mut().drain() {
+            // SAFETY: every registered block came from `alloc_zeroed` with its layout.
+            unsafe { std::alloc::dealloc(raw.base, raw.layout) };
         }
     }
 }

@@ -1,0 +1,91 @@
+//! Where the time of one alloc+free goes, piece by piece (diagnostics for the benchmarks):
+//! `cargo run --release -p gpumem --example alloc_micro`.
+
+use gpumem::pool::{CachingPool, SharedCounters};
+use gpumem::resource::sim::SimulatedDevice;
+use gpumem::workload::RandomLive;
+use gpumem::{CachingAllocator, Config, Stream};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+fn time(name: &str, n: usize, mut f: impl FnMut()) {
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        best = best.min(t.elapsed().as_nanos() as f64 / n as f64);
+    }
+    println!("{name:<40} {best:>8.1} ns");
+}
+
+fn main() {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpu
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .unwrap_or("model name: ?");
+    println!("{model}");
+    let n = 2_000_000;
+    let flag = AtomicBool::new(false);
+    time("atomic cas + store (spin lock pair)", n, || {
+        let _ =
+            black_box(&flag).compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed);
+        flag.store(false, Ordering::Release);
+    });
+    let m = parking_lot::Mutex::new(0u64);
+    time("parking_lot lock + unlock", n, || {
+        *black_box(&m).lock() += 1
+    });
+    let sim: Arc<SimulatedDevice> = Arc::new(SimulatedDevice::new(1 << 42));
+    let cfg = Config::from_env().unwrap();
+    let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
+    time("pool same_size (no lock)", n, || {
+        let a = pool
+            .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, false)
+            .unwrap();
+        pool.free_block_id(a.id, a.addr).unwrap();
+    });
+    let alloc = CachingAllocator::new(sim.clone(), cfg.clone()).unwrap();
+    time("allocator same_size", n, || {
+        let a = alloc
+            .allocate(Stream::DEFAULT, black_box(4096), 256)
+            .unwrap();
+        alloc.deallocate(a).unwrap();
+    });
+    let w = RandomLive::standard(1, 1 << 16);
+    let mut live: Vec<_> = (0..w.live)
+        .map(|i| {
+            pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, false)
+                .unwrap()
+        })
+        .collect();
+    let mut step = 0usize;
+    for _ in 0..2 {
+        time("pool random_256_live (no lock)", 1 << 16, || {
+            let i = step % w.sizes.len();
+            step += 1;
+            let new = pool
+                .allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, false)
+                .unwrap();
+            let old = std::mem::replace(&mut live[w.slots[i]], new);
+            pool.free_block_id(old.id, old.addr).unwrap();
+        });
+    }
+    let mut live: Vec<_> = (0..w.live)
+        .map(|i| alloc.allocate(Stream::DEFAULT, w.sizes[i], 256).unwrap())
+        .collect();
+    for _ in 0..2 {
+        time("allocator random_256_live", 1 << 16, || {
+            let i = step % w.sizes.len();
+            step += 1;
+            let new = alloc.allocate(Stream::DEFAULT, w.sizes[i], 256).unwrap();
+            alloc
+                .deallocate(std::mem::replace(&mut live[w.slots[i]], new))
+                .unwrap();
+        });
+    }
+}
