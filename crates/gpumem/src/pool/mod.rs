@@ -51,6 +51,8 @@ enum State {
     Allocated,
     /// freed by the caller, waiting for events on other streams
     Pending,
+    /// a retired slot
+    Dead,
 }
 
 #[derive(Debug)]
@@ -164,7 +166,6 @@ pub struct CachingPool {
     /// free blocks of `streams[i]`: `free[i][0]` small pool, `free[i][1]` large pool
     free: Vec<[FreeIndex; 2]>,
     live: FxHashMap<DevPtr, u32>,
-    allocated_blocks: usize,
     quick: Vec<(u64, Stream, u32)>,
     /// +8 per quick-cache hit, -1 per miss, within ±64: below 0 the cache is mostly bypassed
     quick_score: i32,
@@ -210,7 +211,6 @@ impl CachingPool {
             segment_index: BTreeMap::new(),
             free: Vec::new(),
             live: FxHashMap::default(),
-            allocated_blocks: 0,
             quick: Vec::with_capacity(config.quick_cache),
             quick_score: 0,
             quick_probe: 0,
@@ -304,7 +304,6 @@ impl CachingPool {
         if track_address {
             self.live.insert(addr, id);
         }
-        self.allocated_blocks += 1;
         self.stats.on_alloc(kind, bsize, req);
         Ok(PoolAlloc {
             addr,
@@ -585,7 +584,7 @@ impl CachingPool {
     #[inline]
     pub fn free_block_id(&mut self, id: u32, addr: DevPtr) -> Result<()> {
         match self.blocks.get(id as usize) {
-            Some(b) if b.addr == addr && b.state == State::Allocated && b.segment != NIL => {
+            Some(b) if b.addr == addr && b.state == State::Allocated => {
                 if b.tracked {
                     self.live.remove(&addr);
                 }
@@ -596,7 +595,6 @@ impl CachingPool {
     }
 
     fn release(&mut self, id: u32) -> Result<()> {
-        self.allocated_blocks -= 1;
         let b = &mut self.blocks[id as usize];
         let (kind, size, req) = (b.kind, b.size, b.requested);
         let deferred = b.uses.is_some();
@@ -676,7 +674,7 @@ impl CachingPool {
     /// [`CachingPool::record_stream`] for block `id` at `addr`.
     pub fn record_stream_id(&mut self, id: u32, addr: DevPtr, stream: Stream) -> Result<()> {
         let b = match self.blocks.get_mut(id as usize) {
-            Some(b) if b.addr == addr && b.state == State::Allocated && b.segment != NIL => b,
+            Some(b) if b.addr == addr && b.state == State::Allocated => b,
             _ => return Err(Error::UnknownPointer { ptr: addr }),
         };
         if b.stream != stream {
@@ -852,7 +850,7 @@ impl CachingPool {
                 segment: NIL,
                 prev: NIL,
                 next: NIL,
-                state: State::Allocated,
+                state: State::Dead,
                 kind: PoolKind::Small,
                 uses: None,
                 tracked: false,
@@ -1057,6 +1055,7 @@ impl CachingPool {
                         want.active_bytes.add_current(b.kind, b.size);
                     }
                     State::Quick => {}
+                    State::Dead => return Err(format!("retired block {:#x} linked in", b.addr)),
                 }
                 if matches!(b.state, State::Free | State::Quick) && split {
                     want.inactive_split.add_current(b.kind, 1);
@@ -1086,10 +1085,10 @@ impl CachingPool {
         if have != free_keys {
             return Err("free sets disagree with free blocks".into());
         }
-        if live != self.allocated_blocks || self.live.len() > live {
+        let counted = self.stats.allocation_count();
+        if live as u64 != counted || self.live.len() > live {
             return Err(format!(
-                "{live} blocks allocated, counted {}, {} in the address map",
-                self.allocated_blocks,
+                "{live} blocks allocated, counted {counted}, {} in the address map",
                 self.live.len()
             ));
         }
@@ -1137,10 +1136,10 @@ impl CachingPool {
 
 impl Drop for CachingPool {
     fn drop(&mut self) {
-        if self.allocated_blocks > 0 {
+        let live = self.stats.allocation_count();
+        if live > 0 {
             tracing::warn!(
-                "gpumem: pool dropped with {} live allocation(s); their memory is released",
-                self.allocated_blocks
+                "gpumem: pool dropped with {live} live allocation(s); their memory is released"
             );
         }
         for e in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {

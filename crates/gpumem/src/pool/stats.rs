@@ -262,9 +262,11 @@ pub(crate) struct HotStats {
     requested_bytes: Tri,
     pending: Tri,
     pending_bytes: Tri,
-    /// peaks of active count and bytes: small, large, all
+    /// peaks of active count and bytes (small, large, all), kept once blocks have waited on
+    /// events; until then active equals allocated and so do the peaks
     active_peak: [u64; 3],
     active_bytes_peak: [u64; 3],
+    pending_seen: bool,
     pub(crate) segment: Tri,
     pub(crate) reserved_bytes: Tri,
     pub(crate) inactive_split: Tri,
@@ -287,6 +289,13 @@ impl HotStats {
         self.allocation.inc(k, 1);
         self.allocated_bytes.inc(k, size);
         self.requested_bytes.inc(k, req);
+        if self.pending_seen {
+            self.update_active_peaks(k);
+        }
+    }
+
+    #[cold]
+    fn update_active_peaks(&mut self, k: PoolKind) {
         let i = k as usize;
         let count = self.allocation.lane(k) + self.pending.lane(k);
         let bytes = self.allocated_bytes.lane(k) + self.pending_bytes.lane(k);
@@ -305,6 +314,14 @@ impl HotStats {
         self.allocated_bytes.dec(k, size);
         self.requested_bytes.dec(k, req);
         if deferred {
+            if !self.pending_seen {
+                // from now on active peaks are tracked on their own, starting from the
+                // allocated peaks they equalled so far
+                self.pending_seen = true;
+                let (c, b) = (self.allocation.snapshot(), self.allocated_bytes.snapshot());
+                self.active_peak = [c.small_pool.peak, c.large_pool.peak, c.all.peak];
+                self.active_bytes_peak = [b.small_pool.peak, b.large_pool.peak, b.all.peak];
+            }
             self.pending.inc(k, 1);
             self.pending_bytes.inc(k, size);
             self.num_deferred_frees += 1;
@@ -315,6 +332,10 @@ impl HotStats {
     pub(crate) fn on_pending_done(&mut self, k: PoolKind, size: u64) {
         self.pending.dec(k, 1);
         self.pending_bytes.dec(k, size);
+    }
+
+    pub(crate) fn allocation_count(&self) -> u64 {
+        self.allocation.current()
     }
 
     pub(crate) fn reserved(&self) -> u64 {
@@ -339,6 +360,7 @@ impl HotStats {
         ] {
             t.reset_peak();
         }
+        self.pending_seen = self.pending.current() > 0;
         let active = self.active();
         let active_bytes = self.active_bytes();
         for (i, (c, b)) in [
