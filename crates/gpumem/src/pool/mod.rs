@@ -324,6 +324,10 @@ impl CachingPool {
             .rposition(|&(s, st, _)| s == size && st == stream)
         else {
             self.quick_score = (self.quick_score - 1).max(-64);
+            if self.quick_score < 0 {
+                // sizes are not repeating: coalesce the probe entries rather than scan them
+                self.flush_quick();
+            }
             return None;
         };
         self.quick_score = (self.quick_score + 8).min(64);
