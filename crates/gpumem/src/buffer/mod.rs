@@ -386,6 +386,14 @@ impl<T: Pod> DeviceSlice<'_, T> {
 }
 
 impl<T: Pod> DeviceSliceMut<'_, T> {
+    /// A read-only view of the same elements.
+    pub fn as_slice(&self) -> DeviceSlice<'_, T> {
+        DeviceSlice {
+            buf: self.buf,
+            ptr: self.ptr,
+            len: self.len,
+        }
+    }
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.len
@@ -405,14 +413,11 @@ impl<T: Pod> DeviceSliceMut<'_, T> {
     }
     /// Copy out to `dst` (same length) and wait.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
-        check_len(self.len, dst.len())?;
-        read_into(self.buf.ops(), self.buf.stream, self.ptr, dst)
+        self.as_slice().copy_to_host(dst)
     }
     /// The contents as a `Vec`.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut v = vec![T::zeroed(); self.len];
-        self.copy_to_host(&mut v)?;
-        Ok(v)
+        self.as_slice().to_vec()
     }
 }
 

@@ -828,16 +828,7 @@ impl CachingPool {
     }
 
     fn new_block(&mut self, b: Block) -> u32 {
-        match self.spare_blocks.pop() {
-            Some(id) => {
-                self.blocks[id as usize] = b;
-                id
-            }
-            None => {
-                self.blocks.push(b);
-                (self.blocks.len() - 1) as u32
-            }
-        }
+        slab_insert(&mut self.blocks, &mut self.spare_blocks, b)
     }
 
     /// Retire a block slot; returns its former contents.
@@ -863,16 +854,7 @@ impl CachingPool {
     }
 
     fn new_segment(&mut self, s: Segment) -> u32 {
-        match self.spare_segments.pop() {
-            Some(id) => {
-                self.segments[id as usize] = s;
-                id
-            }
-            None => {
-                self.segments.push(s);
-                (self.segments.len() - 1) as u32
-            }
-        }
+        slab_insert(&mut self.segments, &mut self.spare_segments, s)
     }
 
     // ------------------------------------------------------------------ releasing segments
@@ -1135,6 +1117,20 @@ impl CachingPool {
             }
         }
         Ok(())
+    }
+}
+
+/// Put `item` in a free slot of `slab` (listed in `spare`) or at its end; returns the slot.
+fn slab_insert<T>(slab: &mut Vec<T>, spare: &mut Vec<u32>, item: T) -> u32 {
+    match spare.pop() {
+        Some(id) => {
+            slab[id as usize] = item;
+            id
+        }
+        None => {
+            slab.push(item);
+            (slab.len() - 1) as u32
+        }
     }
 }
 
