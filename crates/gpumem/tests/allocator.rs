@@ -29,6 +29,17 @@ fn address_api_rejects_unknown_pointers_and_double_frees() {
     let q = a.allocate_ptr(S, 1000, 256).unwrap();
     a.record_stream_ptr(q, Stream(3)).unwrap();
     a.deallocate_ptr(q).unwrap();
+    // a block of the handle API is not freed by address, and an interior address is unknown
+    let h = a.allocate(S, 4096, 256).unwrap();
+    assert!(matches!(
+        a.deallocate_ptr(h.ptr()),
+        Err(Error::UnknownPointer { .. })
+    ));
+    assert!(matches!(
+        a.deallocate_ptr(h.ptr() + 512),
+        Err(Error::UnknownPointer { .. })
+    ));
+    a.deallocate(h).unwrap();
     assert_eq!(a.stats().allocation.all.current, 0);
 }
 

@@ -651,15 +651,20 @@ impl CachingPool {
     fn bad_free(&self, addr: DevPtr) -> Error {
         if let Some((_, &seg)) = self.segment_index.range(..=addr).next_back() {
             let s = &self.segments[seg as usize];
-            if addr < s.addr + s.size {
-                let mut id = s.head;
-                while id != NIL {
-                    let b = &self.blocks[id as usize];
-                    if b.addr == addr {
-                        return Error::DoubleFree { ptr: addr };
-                    }
-                    id = b.next;
+            let mut id = if addr < s.addr + s.size { s.head } else { NIL };
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if (b.addr..b.addr + b.size).contains(&addr) {
+                    // a free block starting here, or one that absorbed it since, was freed;
+                    // an allocated block was handed out by id, not by address
+                    return match b.state {
+                        State::Free | State::Quick | State::Pending => {
+                            Error::DoubleFree { ptr: addr }
+                        }
+                        _ => Error::UnknownPointer { ptr: addr },
+                    };
                 }
+                id = b.next;
             }
         }
         Error::UnknownPointer { ptr: addr }
