@@ -291,3 +291,15 @@ fn active_stats_include_blocks_waiting_on_events() {
     }
     a.deallocate(z).unwrap();
 }
+
+#[test]
+fn raw_resources_refuse_absurd_sizes_without_panicking() {
+    use gpumem::resource::sim::SimulatedDevice;
+    let sim = SimulatedDevice::new(1 << 30);
+    assert!(sim.allocate(S, usize::MAX, 256).is_err());
+    assert!(sim.allocate(S, 0, 256).is_err());
+    assert!(sim.allocate(S, 4096, 3).is_err());
+    let h = HostResource::new();
+    assert!(h.allocate(S, usize::MAX, 256).is_err());
+    assert!(h.allocate(S, 64, usize::MAX).is_err());
+}

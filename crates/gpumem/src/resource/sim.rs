@@ -103,7 +103,7 @@ impl Resource for SimulatedDevice {
         }
         let bytes = bytes as u64;
         let mut s = self.state.lock();
-        if s.used + bytes > self.capacity {
+        if s.used.checked_add(bytes).is_none_or(|u| u > self.capacity) {
             return Err(Error::ResourceExhausted {
                 resource: "simulated".into(),
                 bytes,
