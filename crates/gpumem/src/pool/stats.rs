@@ -189,12 +189,11 @@ struct Lane {
     total: u64,
 }
 
-/// A counter for each pool plus the all-pool current and peak: the cheap form of a
-/// [`StatArray`] that the pool updates on every operation.
+/// A counter for each pool plus the all-pool peak (the all-pool current is the lanes' sum):
+/// the cheap form of a [`StatArray`] that the pool updates on every operation.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Tri {
     lanes: [Lane; 2],
-    all_cur: u64,
     all_peak: u64,
 }
 
@@ -205,19 +204,18 @@ impl Tri {
         l.cur += n;
         l.total += n;
         l.peak = l.peak.max(l.cur);
-        self.all_cur += n;
-        self.all_peak = self.all_peak.max(self.all_cur);
+        self.all_peak = self.all_peak.max(self.current());
     }
 
     #[inline(always)]
     pub(crate) fn dec(&mut self, k: PoolKind, n: u64) {
         debug_assert!(self.lanes[k as usize].cur >= n, "stat underflow");
         self.lanes[k as usize].cur -= n;
-        self.all_cur -= n;
     }
 
+    #[inline(always)]
     pub(crate) fn current(&self) -> u64 {
-        self.all_cur
+        self.lanes[0].cur + self.lanes[1].cur
     }
 
     fn lane(&self, k: PoolKind) -> u64 {
@@ -228,7 +226,7 @@ impl Tri {
         for l in &mut self.lanes {
             l.peak = l.cur;
         }
-        self.all_peak = self.all_cur;
+        self.all_peak = self.current();
     }
 
     fn snapshot(&self) -> StatArray {
@@ -238,13 +236,13 @@ impl Tri {
             allocated: l.total,
             freed: l.total - l.cur,
         };
-        let total = self.lanes[0].total + self.lanes[1].total;
+        let (total, cur) = (self.lanes[0].total + self.lanes[1].total, self.current());
         StatArray {
             all: Stat {
-                current: self.all_cur,
+                current: cur,
                 peak: self.all_peak,
                 allocated: total,
-                freed: total - self.all_cur,
+                freed: total - cur,
             },
             small_pool: stat(&self.lanes[0]),
             large_pool: stat(&self.lanes[1]),
@@ -301,8 +299,8 @@ impl HotStats {
         let bytes = self.allocated_bytes.lane(k) + self.pending_bytes.lane(k);
         self.active_peak[i] = self.active_peak[i].max(count);
         self.active_bytes_peak[i] = self.active_bytes_peak[i].max(bytes);
-        let count = self.allocation.all_cur + self.pending.all_cur;
-        let bytes = self.allocated_bytes.all_cur + self.pending_bytes.all_cur;
+        let count = self.allocation.current() + self.pending.current();
+        let bytes = self.allocated_bytes.current() + self.pending_bytes.current();
         self.active_peak[2] = self.active_peak[2].max(count);
         self.active_bytes_peak[2] = self.active_bytes_peak[2].max(bytes);
     }
