@@ -15,7 +15,10 @@ pub struct Row {
     pub allocator: String,
     pub scenario: String,
     pub threads: usize,
+    /// median over batches of 1000 ops (for the multi-threaded scenario: wall time / all ops)
     pub ns_per_op: f64,
+    /// total time / ops: the throughput figure the thread speedup is computed from
+    pub mean_ns_per_op: f64,
 }
 
 /// What a benchmark needs from an allocator: one alloc and one free.
@@ -113,6 +116,10 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
 /// Plan of one run, for the progress bar.
 pub struct Plan {
     pub pairs: usize,
@@ -156,6 +163,7 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         allocator: api.name(),
         scenario: "same_size".into(),
         threads: 1,
+        mean_ns_per_op: mean(&per),
         ns_per_op: median(per),
     }
 }
@@ -206,6 +214,7 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
         allocator: api.name(),
         scenario: "random_256_live".into(),
         threads: 1,
+        mean_ns_per_op: mean(&per),
         ns_per_op: median(per),
     }
 }
@@ -236,11 +245,13 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         barrier.wait();
         t.elapsed()
     });
+    let per_op = wall.as_nanos() as f64 / (ops * threads) as f64;
     Row {
         allocator: api.name(),
         scenario: format!("random_256_live_{threads}_threads"),
         threads,
-        ns_per_op: wall.as_nanos() as f64 / (ops * threads) as f64,
+        ns_per_op: per_op,
+        mean_ns_per_op: per_op,
     }
 }
 

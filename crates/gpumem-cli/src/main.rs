@@ -187,13 +187,13 @@ fn bench_alloc(a: AllocArgs) -> Result<(), String> {
     }
     println!("allocation latency on {device} (one op = one alloc + one free)");
     println!(
-        "{:<18} {:<32} {:>7} {:>12}",
-        "allocator", "scenario", "threads", "ns/op"
+        "{:<18} {:<32} {:>7} {:>14} {:>12}",
+        "allocator", "scenario", "threads", "median ns/op", "mean ns/op"
     );
     for r in &rows {
         println!(
-            "{:<18} {:<32} {:>7} {:>12.1}",
-            r.allocator, r.scenario, r.threads, r.ns_per_op
+            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1}",
+            r.allocator, r.scenario, r.threads, r.ns_per_op, r.mean_ns_per_op
         );
     }
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
@@ -205,9 +205,11 @@ fn bench_alloc(a: AllocArgs) -> Result<(), String> {
         let many = rows.iter().find(|r| r.allocator == alloc && r.threads > 1);
         if let (Some(one), Some(many)) = (one, many) {
             println!(
-                "{alloc}: {} threads give {:.1}x the single-thread throughput",
+                "{alloc}: {} threads give {:.1}x the single-thread throughput ({:.1} vs {:.1} ns/op, wall time / ops)",
                 many.threads,
-                one.ns_per_op / many.ns_per_op
+                one.mean_ns_per_op / many.mean_ns_per_op,
+                many.mean_ns_per_op,
+                one.mean_ns_per_op
             );
         }
     }
