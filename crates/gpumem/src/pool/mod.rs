@@ -386,16 +386,9 @@ impl CachingPool {
         self.streams.iter().position(|&s| s == stream)
     }
 
-    fn kind_index(kind: PoolKind) -> usize {
-        match kind {
-            PoolKind::Small => 0,
-            PoolKind::Large => 1,
-        }
-    }
-
     fn best_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
         let slot = self.slot_of(stream)?;
-        let (bsize, _, id) = self.free[slot][Self::kind_index(kind)].best_fit(size)?;
+        let (bsize, _, id) = self.free[slot][kind as usize].best_fit(size)?;
         if !self.fits(size, bsize) {
             return None;
         }
@@ -408,7 +401,7 @@ impl CachingPool {
         if !self.policy.cross_stream {
             return None;
         }
-        let k = Self::kind_index(kind);
+        let k = kind as usize;
         let mut best: Option<(u64, Stream, u32)> = None;
         for (slot, &other) in self.streams.iter().enumerate() {
             if other == stream {
@@ -790,7 +783,7 @@ impl CachingPool {
 
     fn index_of(&mut self, id: u32) -> &mut FreeIndex {
         let b = &self.blocks[id as usize];
-        let (stream, k) = (b.stream, Self::kind_index(b.kind));
+        let (stream, k) = (b.stream, b.kind as usize);
         let slot = self
             .slot_of(stream)
             .expect("blocks belong to registered streams");
@@ -1066,7 +1059,7 @@ impl CachingPool {
             for (k, index) in pair.iter().enumerate() {
                 for (size, addr, id) in index.iter() {
                     let b = &self.blocks[id as usize];
-                    if Self::kind_index(b.kind) != k {
+                    if b.kind as usize != k {
                         return Err(format!("block {addr:#x} indexed in the wrong pool"));
                     }
                     have.insert((self.streams[slot].0, size, addr, id));
