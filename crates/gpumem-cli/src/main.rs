@@ -28,6 +28,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Replay allocation traces (JSON Lines, gzip or plain) through gpumem's policy on a
+    /// simulated device and compare what each policy reserves with what the trace recorded.
+    Replay {
+        /// Trace files.
+        #[arg(required = true)]
+        traces: Vec<std::path::PathBuf>,
+        /// Extra policies to compare, as configuration strings (repeatable).
+        #[arg(long)]
+        conf: Vec<String>,
+        /// One JSON object per trace instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -253,10 +266,63 @@ fn bench_gpu(_: &AllocArgs, _: Config) -> Result<(String, Vec<Row>), String> {
     Err("built without the cuda feature".into())
 }
 
+#[derive(Serialize)]
+struct ReplayOut {
+    trace: String,
+    events: usize,
+    policies: Vec<gpumem::trace::PolicyReport>,
+}
+
+fn replay(traces: &[std::path::PathBuf], confs: &[String], json: bool) -> Result<(), String> {
+    let mut policies = vec![("gpumem".to_string(), Config::default())];
+    for c in confs {
+        policies.push((c.clone(), Config::parse(c).map_err(|e| e.to_string())?));
+    }
+    for path in traces {
+        let events = gpumem::trace::read_trace(path).map_err(|e| e.to_string())?;
+        let mut out = ReplayOut {
+            trace: path.display().to_string(),
+            events: events.len(),
+            policies: vec![gpumem::trace::recorded(&events)],
+        };
+        for (name, config) in &policies {
+            let r = gpumem::trace::replay(name, &events, config, 1 << 50)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            out.policies.push(r);
+        }
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(&out).map_err(|e| e.to_string())?
+            );
+            continue;
+        }
+        println!("{} ({} events)", out.trace, out.events);
+        println!(
+            "  {:<28} {:>12} {:>14} {:>7} {:>9} {:>14} {:>9}",
+            "policy", "peak live", "peak reserved", "ratio", "segments", "largest free", "ns/event"
+        );
+        for p in &out.policies {
+            println!(
+                "  {:<28} {:>12} {:>14} {:>7.3} {:>9} {:>14} {:>9.1}",
+                p.name,
+                human(p.peak_live_bytes),
+                human(p.peak_reserved_bytes),
+                p.ratio,
+                p.segments_at_peak,
+                human(p.largest_free_block_at_peak),
+                p.ns_per_event
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Info { json } => info(json),
+        Command::Replay { traces, conf, json } => replay(&traces, &conf, json),
         Command::Bench {
             what:
                 BenchWhat::Alloc {

@@ -82,3 +82,30 @@ fn bad_configuration_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("GPUMEM_CONF: unknown key `nonsense`"));
 }
+
+#[test]
+fn replay_prints_one_json_object_per_trace() {
+    let data = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../gpumem/tests/data/resnet50_train.jsonl.gz"
+    );
+    let (ok, out, err) = gpumem(&["replay", data, "--conf", "quick_cache:0", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["events"], 15_356);
+    let names: Vec<&str> = v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["recorded", "gpumem", "quick_cache:0"]);
+    for p in v["policies"].as_array().unwrap() {
+        assert!(p["ratio"].as_f64().unwrap() >= 1.0);
+        assert!(
+            p["peak_reserved_bytes"].as_u64().unwrap() >= p["peak_live_bytes"].as_u64().unwrap()
+        );
+    }
+    let (ok, _, err) = gpumem(&["replay", "/nonexistent.jsonl"]);
+    assert!(!ok && err.contains("/nonexistent.jsonl"), "{err}");
+}

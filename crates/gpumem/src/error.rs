@@ -134,6 +134,9 @@ pub enum Error {
         /// operation
         what: String,
     },
+    /// A malformed or inconsistent allocation trace.
+    #[error("trace: {0}")]
+    Trace(String),
     /// A CUDA driver call failed.
     #[error("CUDA error in {call}: {message}")]
     Cuda {

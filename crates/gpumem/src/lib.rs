@@ -29,6 +29,7 @@ pub mod device;
 pub mod error;
 pub mod pool;
 pub mod resource;
+pub mod trace;
 pub mod workload;
 
 pub use allocator::{Allocation, CachingAllocator};

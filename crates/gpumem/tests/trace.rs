@@ -1,0 +1,109 @@
+//! Trace reading and replay.
+
+use gpumem::trace::{parse_trace, read_trace, recorded, replay, Action};
+use gpumem::{Config, Error};
+use std::io::Write;
+use std::path::Path;
+
+const TIB: u64 = 1 << 40;
+
+fn data(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// gpumem's default policy is PyTorch's native one: replaying a real PyTorch trace reproduces
+/// what PyTorch's allocator reserved, to the byte and segment.
+#[test]
+fn replay_of_real_pytorch_traces_matches_the_recorded_allocator() {
+    for (name, events) in [
+        ("resnet50_train.jsonl.gz", 15_356),
+        ("gpt_train.jsonl.gz", 26_973),
+    ] {
+        let ev = read_trace(&data(name)).unwrap();
+        assert_eq!(ev.len(), events);
+        let rec = recorded(&ev);
+        let ours = replay("gpumem", &ev, &Config::default(), TIB).unwrap();
+        assert_eq!(ours.peak_live_bytes, rec.peak_live_bytes, "{name}");
+        assert_eq!(ours.peak_reserved_bytes, rec.peak_reserved_bytes, "{name}");
+        assert_eq!(ours.segments_at_peak, rec.segments_at_peak, "{name}");
+        assert!(ours.ns_per_event > 0.0);
+    }
+}
+
+#[test]
+fn recorded_figures_follow_the_segment_events() {
+    let text = r#"{"action": "segment_alloc", "addr": 0, "size": 2097152, "stream": 0, "time_us": 1}
+{"action": "alloc", "addr": 0, "size": 1000, "stream": 0, "time_us": 2}
+{"action": "alloc", "addr": 1024, "size": 3000, "stream": 0, "time_us": 3}
+{"action": "free_requested", "addr": 0, "size": 1000, "stream": 0, "time_us": 4}
+{"action": "free_completed", "addr": 0, "size": 1000, "stream": 0, "time_us": 5}
+
+{"action": "free_completed", "addr": 1024, "size": 3000, "stream": 0, "time_us": 6}
+{"action": "segment_free", "addr": 0, "size": 2097152}
+"#;
+    let ev = parse_trace("t", text.as_bytes()).unwrap();
+    assert_eq!(ev.len(), 7);
+    assert_eq!(ev[3].action, Action::FreeRequested);
+    let r = recorded(&ev);
+    assert_eq!(
+        (r.peak_live_bytes, r.peak_reserved_bytes, r.segments_at_peak),
+        (4000, 2 << 20, 1)
+    );
+    let ours = replay("gpumem", &ev, &Config::default(), TIB).unwrap();
+    assert_eq!(ours.peak_reserved_bytes, 2 << 20);
+    assert!((ours.ratio - (2 << 20) as f64 / 4000.0).abs() < 1e-9);
+}
+
+#[test]
+fn malformed_traces_are_errors_with_line_numbers() {
+    let line = |action: &str, size: &str| {
+        format!(
+            r#"{{"action": "{action}", "addr": 4096, "size": {size}, "stream": 0, "time_us": 1}}"#
+        )
+    };
+    for (text, needle) in [
+        (
+            format!("{}\n{}", line("alloc", "8"), line("explode", "8")),
+            "t:2:",
+        ),
+        (
+            format!("{}\n{}", line("alloc", "8"), line("alloc", "-8")),
+            "t:2:",
+        ),
+        ("{\"action\": \"alloc\"\n".to_string(), "t:1:"),
+        ("not json".to_string(), "t:1:"),
+    ] {
+        let e = parse_trace("t", text.as_bytes()).unwrap_err();
+        assert!(matches!(e, Error::Trace(_)));
+        assert!(e.to_string().contains(needle), "{e}");
+    }
+    // a free of an address that is not live names the event
+    let ev = parse_trace("t", format!("{}\n", line("free_completed", "8")).as_bytes()).unwrap();
+    let e = replay("gpumem", &ev, &Config::default(), TIB).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("event 1: free of unknown address 0x1000"),
+        "{e}"
+    );
+}
+
+#[test]
+fn truncated_gzip_is_an_error_not_a_panic() {
+    let full = std::fs::read(data("resnet50_train.jsonl.gz")).unwrap();
+    let dir = std::env::temp_dir().join(format!("gpumem-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cut = dir.join("cut.jsonl.gz");
+    std::fs::File::create(&cut)
+        .unwrap()
+        .write_all(&full[..full.len() / 2])
+        .unwrap();
+    let e = read_trace(&cut).unwrap_err();
+    assert!(e.to_string().contains("cut.jsonl.gz:"), "{e}");
+    assert!(matches!(
+        read_trace(&dir.join("missing.jsonl")),
+        Err(Error::Trace(_))
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+}
