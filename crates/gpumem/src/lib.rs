@@ -33,6 +33,8 @@ pub mod trace;
 pub mod workload;
 
 pub use allocator::{Allocation, CachingAllocator};
+#[cfg(feature = "cuda")]
+pub use buffer::{CudarcView, CudarcViewMut};
 pub use buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use config::Config;
 pub use device::DeviceInfo;

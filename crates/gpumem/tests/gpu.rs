@@ -143,6 +143,30 @@ fn kernels_take_gpumem_buffers() {
     assert_eq!(tail.to_vec().unwrap(), y[n - 10..].to_vec());
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cudarc_copies_take_gpumem_buffers() {
+    let g = gpu();
+    let (own, other) = (g.ctx.new_stream().unwrap(), g.ctx.new_stream().unwrap());
+    let a = CachingAllocator::cuda(0, Config::default()).unwrap();
+    let data: Vec<u32> = (0..100_003).map(|i| i * 7 + 1).collect();
+    let mut b = DeviceBuffer::<u32>::zeroed(&a, Stream::from(&*own), data.len()).unwrap();
+    // on the buffer's own stream, then on another one (ordered after the buffer's stream)
+    own.memcpy_htod(&data, &mut b.cudarc_mut(&own)).unwrap();
+    assert_eq!(own.clone_dtoh(&b.cudarc(&own)).unwrap(), data);
+    let back = other.clone_dtoh(&b.cudarc(&other)).unwrap();
+    assert_eq!(back, data);
+    let twice: Vec<u32> = data.iter().map(|x| x * 2).collect();
+    other
+        .memcpy_htod(&twice, &mut b.cudarc_mut(&other))
+        .unwrap();
+    assert_eq!(
+        b.to_vec().unwrap(),
+        twice,
+        "the buffer's stream sees the other stream's write"
+    );
+}
+
 /// A block freed on stream A while a long kernel on stream B still reads it must not be handed
 /// out before B's work completes.
 #[test]

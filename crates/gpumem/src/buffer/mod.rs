@@ -422,6 +422,117 @@ impl<T: Pod> DeviceSliceMut<'_, T> {
 }
 
 #[cfg(feature = "cuda")]
+pub use cudarc_interop::{CudarcView, CudarcViewMut};
+
+#[cfg(feature = "cuda")]
+mod cudarc_interop {
+    //! cudarc's `DevicePtr`/`DevicePtrMut`, so that cudarc's copies (and libraries built on
+    //! those traits) take gpumem buffers: `stream.memcpy_htod(&src, &mut buf.cudarc_mut(&s))`.
+    use super::{DeviceBuffer, Stream};
+    use crate::resource::{DevPtr, StreamOps};
+    use bytemuck::Pod;
+    use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+    use std::sync::Arc;
+
+    /// A buffer seen through cudarc's traits, bound to a cudarc stream.
+    #[derive(Debug)]
+    pub struct CudarcView<'a, T: Pod> {
+        buf: &'a DeviceBuffer<T>,
+        stream: Arc<CudaStream>,
+    }
+
+    /// A writable buffer seen through cudarc's traits, bound to a cudarc stream.
+    #[derive(Debug)]
+    pub struct CudarcViewMut<'a, T: Pod> {
+        buf: &'a mut DeviceBuffer<T>,
+        stream: Arc<CudaStream>,
+    }
+
+    impl<T: Pod> DeviceBuffer<T> {
+        /// This buffer as a cudarc `DevicePtr` for work on `stream`.
+        pub fn cudarc(&self, stream: &Arc<CudaStream>) -> CudarcView<'_, T> {
+            CudarcView {
+                buf: self,
+                stream: stream.clone(),
+            }
+        }
+
+        /// This buffer as a cudarc `DevicePtrMut` for work on `stream`.
+        pub fn cudarc_mut(&mut self, stream: &Arc<CudaStream>) -> CudarcViewMut<'_, T> {
+            CudarcViewMut {
+                buf: self,
+                stream: stream.clone(),
+            }
+        }
+    }
+
+    /// Order work on `stream` after the buffer's stream; returns what to do once that work is
+    /// queued: nothing on the buffer's own stream, otherwise wait for `stream` (so the buffer's
+    /// stream and the pool see the work finished; a correct, simple rule for occasional use).
+    fn order<'a, T: Pod>(
+        buf: &DeviceBuffer<T>,
+        stream: &'a CudaStream,
+    ) -> (DevPtr, SyncOnDrop<'a>) {
+        let s = Stream::from(stream);
+        if s == buf.stream {
+            return (buf.ptr, SyncOnDrop::Record(None));
+        }
+        let ops: &dyn StreamOps = &buf.alloc;
+        match ops.record_event(buf.stream) {
+            Ok(ev) => {
+                if ops.wait_event(s, ev).is_err() {
+                    let _ = ops.synchronize(buf.stream);
+                }
+                ops.destroy_event(ev);
+            }
+            Err(_) => {
+                let _ = ops.synchronize(buf.stream);
+            }
+        }
+        (buf.ptr, SyncOnDrop::sync_stream(stream))
+    }
+
+    impl<T: Pod> DeviceSlice<T> for CudarcView<'_, T> {
+        fn len(&self) -> usize {
+            self.buf.len
+        }
+        fn stream(&self) -> &Arc<CudaStream> {
+            &self.stream
+        }
+    }
+
+    impl<T: Pod> DeviceSlice<T> for CudarcViewMut<'_, T> {
+        fn len(&self) -> usize {
+            self.buf.len
+        }
+        fn stream(&self) -> &Arc<CudaStream> {
+            &self.stream
+        }
+    }
+
+    impl<T: Pod> DevicePtr<T> for CudarcView<'_, T> {
+        fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            order(self.buf, stream)
+        }
+    }
+
+    impl<T: Pod> DevicePtr<T> for CudarcViewMut<'_, T> {
+        fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            order(self.buf, stream)
+        }
+    }
+
+    impl<T: Pod> DevicePtrMut<T> for CudarcViewMut<'_, T> {
+        fn device_ptr_mut<'a>(
+            &'a mut self,
+            stream: &'a CudaStream,
+        ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            order(self.buf, stream)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
 mod kernel_args {
     //! cudarc kernel arguments: a launch takes the address stored in the buffer or view.
     use super::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
