@@ -42,10 +42,33 @@ pub fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))
 }
 
-/// Stream, event and copy operations shared by the CUDA resources.
+/// Stream, event and copy operations shared by the CUDA resources. Events are pooled:
+/// creating one costs a driver round trip, and record_stream-heavy code records one per free.
 #[derive(Debug)]
 struct CudaOps {
     ctx: Arc<CudaContext>,
+    /// idle events (as addresses), reused by `record_event`
+    events: parking_lot::Mutex<Vec<usize>>,
+}
+
+impl CudaOps {
+    fn new(ctx: Arc<CudaContext>) -> Self {
+        Self {
+            ctx,
+            events: parking_lot::Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl Drop for CudaOps {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            for ev in self.events.get_mut().drain(..) {
+                // SAFETY: idle pooled events are owned by the pool alone.
+                let _ = unsafe { result::event::destroy(ev as sys::CUevent) };
+            }
+        }
+    }
 }
 
 impl CudaOps {
@@ -66,12 +89,15 @@ impl CudaOps {
 
     fn record_event(&self, stream: Stream) -> Result<Event> {
         self.bind()?;
-        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| cuda_err("cuEventCreate", e))?;
-        // SAFETY: `ev` was just created; the stream handle is the caller's live stream.
+        let pooled = self.events.lock().pop();
+        let ev = match pooled {
+            Some(ev) => ev as sys::CUevent,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda_err("cuEventCreate", e))?,
+        };
+        // SAFETY: `ev` is ours and idle; the stream handle is the caller's live stream.
         if let Err(e) = unsafe { result::event::record(ev, raw(stream)) } {
-            // SAFETY: `ev` is ours and unused.
-            let _ = unsafe { result::event::destroy(ev) };
+            self.events.lock().push(ev as usize);
             return Err(cuda_err("cuEventRecord", e));
         }
         Ok(Event(ev as u64))
@@ -107,11 +133,10 @@ impl CudaOps {
         .map_err(|e| cuda_err("cuStreamWaitEvent", e))
     }
 
+    /// Return an event to the pool (it may be re-recorded at once: a later record replaces the
+    /// captured work, and nobody waits on a returned event).
     fn destroy_event(&self, event: Event) {
-        if self.bind().is_ok() {
-            // SAFETY: each event is destroyed once, by its owner.
-            let _ = unsafe { result::event::destroy(event.0 as sys::CUevent) };
-        }
+        self.events.lock().push(event.0 as usize);
     }
 
     fn synchronize(&self, stream: Stream) -> Result<()> {
@@ -171,9 +196,7 @@ impl CudaDevice {
     /// Device `ordinal`'s memory, on its primary context.
     pub fn new(ordinal: usize) -> Result<Self> {
         Ok(Self {
-            ops: CudaOps {
-                ctx: primary_context(ordinal)?,
-            },
+            ops: CudaOps::new(primary_context(ordinal)?),
             ordinal,
         })
     }
@@ -241,8 +264,7 @@ fn device_location(ordinal: usize) -> sys::CUmemLocation {
 impl CudaAsyncPool {
     /// A pool on device `ordinal` keeping up to `release_threshold` bytes cached.
     pub fn new(ordinal: usize, release_threshold: u64) -> Result<Self> {
-        let ctx = primary_context(ordinal)?;
-        let ops = CudaOps { ctx };
+        let ops = CudaOps::new(primary_context(ordinal)?);
         ops.bind()?;
         // SAFETY: an all-zero CUmemPoolProps is the documented default; fields set below.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
