@@ -13,14 +13,15 @@ use crate::pool::{CachingPool, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
 use crate::resource::host::HostResource;
 use crate::resource::sim::SimulatedDevice;
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 /// The shard lock: one atomic exchange to take it, a plain store to release it (parking_lot's
 /// release is a second atomic, which costs ~10 ns on the Xeon hosts of our GPU machines).
 /// Waiters yield the CPU. Shards are per thread, so waiting is rare.
 type Mutex<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;
 type MutexGuard<'a, T> = spin::mutex::SpinMutexGuard<'a, T>;
-use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 /// A cache line of its own, so that shard locks do not share one.
 #[repr(align(128))]

@@ -163,10 +163,10 @@ pub fn replay(
     capacity: u64,
 ) -> Result<PolicyReport> {
     let start = Instant::now();
-    let replayed = run(events, config, capacity, |_, _| {})?;
+    let replayed = run(events, config, capacity, |_| {})?;
     let ns_per_event = start.elapsed().as_nanos() as f64 / replayed.max(1) as f64;
     let mut peak = (0u64, 0u64, 0u64); // reserved, segments, largest free block
-    run(events, config, capacity, |alloc, _| {
+    run(events, config, capacity, |alloc| {
         let s = alloc.stats();
         if s.reserved_bytes.all.current > peak.0 {
             let largest = alloc
@@ -197,7 +197,7 @@ fn run(
     events: &[TraceEvent],
     config: &Config,
     capacity: u64,
-    mut after_alloc: impl FnMut(&CachingAllocator, &Allocation),
+    mut after_alloc: impl FnMut(&CachingAllocator),
 ) -> Result<u64> {
     let mut config = config.clone();
     config.shards = Some(1);
@@ -213,7 +213,7 @@ fn run(
                     .map_err(|err| {
                         Error::Trace(format!("event {n}: alloc of {} bytes: {err}", e.size))
                     })?;
-                after_alloc(&alloc, &a);
+                after_alloc(&alloc);
                 if let Some(old) = live.insert(e.addr, a) {
                     alloc.deallocate(old)?;
                     return Err(Error::Trace(format!(
