@@ -14,6 +14,8 @@
 //! | `shards` | `auto` or 1..=64 | independent pool shards; each thread uses one, so threads do not serialise |
 //! | `quick_cache` | 0..=256 | recently freed blocks kept per shard for exact-size reuse before coalescing |
 //! | `cross_stream_reuse` | bool | let a stream take a wholly free segment cached by another stream, ordered by an event wait |
+//! | `expandable_segments` | bool | virtual-memory segments where the device has them (PyTorch's name; gpumem's default is on) |
+//! | `expandable_slack` | 0 ≤ s < 1 | cached pages kept mapped beyond the peak of allocated bytes, as a fraction of it, before free pages are moved instead of new ones mapped |
 
 use crate::error::{Error, Result};
 use serde::Serialize;
@@ -77,6 +79,11 @@ pub struct Config {
     pub quick_cache: usize,
     /// Cross-stream reuse of wholly free segments.
     pub cross_stream_reuse: bool,
+    /// Virtual-memory (expandable) segments where the backend supports them.
+    pub expandable_segments: bool,
+    /// Mapped bytes allowed beyond the peak of allocated bytes (a fraction of it) before free
+    /// pages are unmapped and reused rather than new ones mapped.
+    pub expandable_slack: f64,
 }
 
 impl Default for Config {
@@ -92,6 +99,8 @@ impl Default for Config {
             shards: None,
             quick_cache: 16,
             cross_stream_reuse: true,
+            expandable_segments: true,
+            expandable_slack: 0.005,
         }
     }
 }
@@ -278,11 +287,20 @@ impl Config {
                     self.quick_cache = n;
                 }
                 "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, value)?,
+                "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
+                "expandable_slack" => {
+                    let f = parse_f64(key, value)?;
+                    if !(0.0..1.0).contains(&f) {
+                        return Err(bad(key, value, "must be in [0, 1)"));
+                    }
+                    self.expandable_slack = f;
+                }
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key `{key}` (known: max_split_size_mb, roundup_power2_divisions, \
                          garbage_collection_threshold, backend, memory_fraction, memory_limit_mb, \
-                         release_threshold_mb, shards, quick_cache, cross_stream_reuse)"
+                         release_threshold_mb, shards, quick_cache, cross_stream_reuse, \
+                         expandable_segments, expandable_slack)"
                     )))
                 }
             }
@@ -353,6 +371,8 @@ mod tests {
             ("shards:0", "shards"),
             ("nocolon", "key:value"),
             ("cross_stream_reuse:maybe", "cross_stream_reuse"),
+            ("expandable_segments:yes", "expandable_segments"),
+            ("expandable_slack:2", "expandable_slack"),
         ] {
             let e = Config::parse(s).unwrap_err().to_string();
             assert!(e.contains(needle), "{s}: {e}");

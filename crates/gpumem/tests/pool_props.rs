@@ -45,12 +45,22 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> impl Strategy<Value = String> {
     prop_oneof![
+        // expandable (virtual-memory) segments, the default on the simulated device
         Just(String::new()),
-        Just("quick_cache:0".to_string()),
-        Just("max_split_size_mb:32".to_string()),
-        Just("roundup_power2_divisions:4,cross_stream_reuse:false".to_string()),
-        Just("garbage_collection_threshold:0.5,quick_cache:4".to_string()),
-        Just("memory_limit_mb:256".to_string()),
+        Just("quick_cache:0,expandable_slack:0".to_string()),
+        Just("memory_limit_mb:256,expandable_slack:0.5".to_string()),
+        // classic segments
+        Just("expandable_segments:False".to_string()),
+        Just("expandable_segments:False,quick_cache:0".to_string()),
+        Just("expandable_segments:False,max_split_size_mb:32".to_string()),
+        Just(
+            "expandable_segments:False,roundup_power2_divisions:4,cross_stream_reuse:false"
+                .to_string()
+        ),
+        Just(
+            "expandable_segments:False,garbage_collection_threshold:0.5,quick_cache:4".to_string()
+        ),
+        Just("expandable_segments:False,memory_limit_mb:256".to_string()),
     ]
 }
 

@@ -13,8 +13,8 @@ fn data(name: &str) -> std::path::PathBuf {
         .join(name)
 }
 
-/// gpumem's default policy is PyTorch's native one: replaying a real PyTorch trace reproduces
-/// what PyTorch's allocator reserved, to the byte and segment.
+/// With classic segments, gpumem's policy is PyTorch's native one: replaying a real PyTorch
+/// trace reproduces what PyTorch's allocator reserved, to the byte and segment.
 #[test]
 fn replay_of_real_pytorch_traces_matches_the_recorded_allocator() {
     for (name, events) in [
@@ -24,7 +24,8 @@ fn replay_of_real_pytorch_traces_matches_the_recorded_allocator() {
         let ev = read_trace(&data(name)).unwrap();
         assert_eq!(ev.len(), events);
         let rec = recorded(&ev);
-        let ours = replay("gpumem", &ev, &Config::default(), TIB).unwrap();
+        let classic = Config::parse("expandable_segments:False").unwrap();
+        let ours = replay("gpumem", &ev, &classic, TIB).unwrap();
         assert_eq!(ours.peak_live_bytes, rec.peak_live_bytes, "{name}");
         assert_eq!(ours.peak_reserved_bytes, rec.peak_reserved_bytes, "{name}");
         assert_eq!(ours.segments_at_peak, rec.segments_at_peak, "{name}");

@@ -24,6 +24,19 @@ impl Limit {
         }
     }
 
+    /// Count `b` bytes against the budget, or refuse them.
+    fn charge(&self, b: u64) -> Result<()> {
+        let before = self.used.fetch_add(b, Ordering::Relaxed);
+        if before.saturating_add(b) > self.limit {
+            self.used.fetch_sub(b, Ordering::Relaxed);
+            return Err(Error::ResourceExhausted {
+                resource: format!("{} (budget of {} bytes)", self.inner.name(), self.limit),
+                bytes: b,
+            });
+        }
+        Ok(())
+    }
+
     /// Bytes obtained through this adaptor and not yet returned.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
@@ -33,14 +46,7 @@ impl Limit {
 impl Resource for Limit {
     fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
         let b = bytes as u64;
-        let before = self.used.fetch_add(b, Ordering::Relaxed);
-        if before.saturating_add(b) > self.limit {
-            self.used.fetch_sub(b, Ordering::Relaxed);
-            return Err(Error::ResourceExhausted {
-                resource: format!("{} (budget of {} bytes)", self.inner.name(), self.limit),
-                bytes: b,
-            });
-        }
+        self.charge(b)?;
         self.inner.allocate(stream, bytes, align).inspect_err(|_| {
             self.used.fetch_sub(b, Ordering::Relaxed);
         })
@@ -70,6 +76,31 @@ impl Resource for Limit {
 
     fn location(&self) -> Location {
         self.inner.location()
+    }
+
+    fn vmm_page_size(&self) -> Option<u64> {
+        self.inner.vmm_page_size()
+    }
+
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
+        self.inner.reserve_address(bytes)
+    }
+
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.inner.release_address(addr, bytes)
+    }
+
+    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.charge(bytes)?;
+        self.inner.map(addr, bytes).inspect_err(|_| {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+        })
+    }
+
+    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.inner.unmap(addr, bytes)?;
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        Ok(())
     }
 }
 

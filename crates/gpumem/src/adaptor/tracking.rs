@@ -108,6 +108,27 @@ impl Resource for Tracking {
     fn location(&self) -> Location {
         self.inner.location()
     }
+
+    // virtual-memory pages are not allocations: they pass through untracked
+    fn vmm_page_size(&self) -> Option<u64> {
+        self.inner.vmm_page_size()
+    }
+
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
+        self.inner.reserve_address(bytes)
+    }
+
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.inner.release_address(addr, bytes)
+    }
+
+    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.inner.map(addr, bytes)
+    }
+
+    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.inner.unmap(addr, bytes)
+    }
 }
 
 forward_stream_ops!(Tracking, |s| s.inner);

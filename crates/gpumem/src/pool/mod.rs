@@ -16,6 +16,15 @@
 //!   stream, after an event wait that orders it behind that stream's work;
 //! - when the device refuses a segment: release cached segments, retry, wait for pending
 //!   events, release again, retry, then report [`Error::OutOfMemory`].
+//!
+//! Where the backend has virtual memory ([`crate::resource::Resource::vmm_page_size`]) and
+//! `expandable_segments` is on (the default), each stream and pool gets one *expandable*
+//! segment instead: a large reserved address range whose pages are backed by physical memory
+//! only where blocks need them. Blocks are placed in it by the same best fit; a block that
+//! lands on unmapped pages gets them mapped. Before the pool maps more than the peak of
+//! allocated bytes (plus `expandable_slack`), it first unmaps pages that lie wholly inside free
+//! blocks (after waiting for their stream), so the physical memory follows the live bytes and
+//! fragmentation costs at most the partly used pages at block edges.
 
 mod free_index;
 pub mod size;
@@ -80,11 +89,95 @@ struct Block {
 #[derive(Debug)]
 struct Segment {
     addr: u64,
+    /// bytes (address space, for an expandable segment)
     size: u64,
     stream: Stream,
     kind: PoolKind,
     head: u32,
     last_used: u64,
+    /// which pages are mapped, for an expandable segment
+    pages: Option<Box<Pages>>,
+}
+
+/// The mapped pages of an expandable segment: one bit per page.
+#[derive(Debug)]
+struct Pages {
+    bits: Vec<u64>,
+    mapped: u64,
+    /// no page at or above this one has ever been mapped (bounds the scans)
+    high: u64,
+}
+
+impl Pages {
+    fn new(n: u64) -> Self {
+        Self {
+            bits: vec![0; n.div_ceil(64) as usize],
+            mapped: 0,
+            high: 0,
+        }
+    }
+
+    #[inline]
+    fn get(&self, p: u64) -> bool {
+        self.bits[(p / 64) as usize] & (1 << (p % 64)) != 0
+    }
+
+    fn set(&mut self, first: u64, n: u64, on: bool) {
+        for p in first..first + n {
+            let (w, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+            debug_assert_eq!(
+                self.bits[w] & bit != 0,
+                !on,
+                "page mapped twice or unmapped twice"
+            );
+            if on {
+                self.bits[w] |= bit;
+            } else {
+                self.bits[w] &= !bit;
+            }
+        }
+        if on {
+            self.mapped += n;
+            self.high = self.high.max(first + n);
+        } else {
+            self.mapped -= n;
+        }
+    }
+
+    /// Runs `(first, count)` of pages in `[from, to)` that are mapped (`want`) or not.
+    fn runs(&self, from: u64, to: u64, want: bool) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut p = from;
+        while p < to {
+            let start = self.next_with(p, to, want);
+            if start >= to {
+                break;
+            }
+            let end = self.next_with(start, to, !want);
+            out.push((start, end - start));
+            p = end;
+        }
+        out
+    }
+
+    /// The first page at or after `p` (below `to`, else `to`) whose bit is `want`.
+    fn next_with(&self, mut p: u64, to: u64, want: bool) -> u64 {
+        if p >= self.high {
+            return if want { to } else { p.min(to) };
+        }
+        // nothing is mapped at or above `high`
+        let end = if want { to.min(self.high) } else { to };
+        while p < end {
+            let w = (p / 64) as usize;
+            let word = if want { self.bits[w] } else { !self.bits[w] };
+            let word = word & (u64::MAX << (p % 64));
+            if word != 0 {
+                return (w as u64 * 64 + word.trailing_zeros() as u64).min(to);
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        to
+    }
 }
 
 /// (stream, size, address, block id), for the invariant check.
@@ -136,6 +229,11 @@ pub struct SegmentInfo {
     pub stream: Stream,
     /// pool
     pub kind: PoolKind,
+    /// an expandable (virtual-memory) segment
+    pub expandable: bool,
+    /// `(address, bytes)` ranges backed by memory: all of a classic segment, the mapped pages of
+    /// an expandable one
+    pub mapped: Vec<(u64, u64)>,
     /// blocks in address order
     pub blocks: Vec<BlockInfo>,
 }
@@ -148,6 +246,9 @@ struct Policy {
     gc_threshold: Option<f64>,
     quick_cap: usize,
     cross_stream: bool,
+    /// page size of expandable segments; `None` = classic segments
+    page: Option<u64>,
+    slack: f64,
 }
 
 /// One shard of the caching allocator. Not thread-safe by itself: the allocator puts each
@@ -174,6 +275,8 @@ pub struct CachingPool {
     streams: Vec<Stream>,
     stats: HotStats,
     tick: u64,
+    /// highest allocated bytes seen when mapping pages (expandable segments)
+    peak_allocated: u64,
 }
 
 impl std::fmt::Debug for CachingPool {
@@ -193,6 +296,9 @@ impl CachingPool {
             .limit()
             .or_else(|| backend.mem_info().ok().map(|m| m.total))
             .unwrap_or(u64::MAX);
+        let page = backend
+            .vmm_page_size()
+            .filter(|&p| config.expandable_segments && p % MIN_BLOCK == 0);
         Self {
             backend,
             policy: Policy {
@@ -201,6 +307,8 @@ impl CachingPool {
                 gc_threshold: config.garbage_collection_threshold,
                 quick_cap: config.quick_cache,
                 cross_stream: config.cross_stream_reuse,
+                page,
+                slack: config.expandable_slack,
             },
             shared,
             capacity,
@@ -218,7 +326,13 @@ impl CachingPool {
             streams: Vec::new(),
             stats: HotStats::default(),
             tick: 0,
+            peak_allocated: 0,
         }
+    }
+
+    /// True when this pool uses expandable (virtual-memory) segments.
+    pub fn expandable(&self) -> bool {
+        self.policy.page.is_some()
     }
 
     /// The backend segments come from.
@@ -354,6 +468,9 @@ impl CachingPool {
             }
             None => None,
         };
+        if self.policy.page.is_some() {
+            return self.place_expandable(id, stream, size, kind);
+        }
         let id = match id.or_else(|| self.steal(stream, size, kind)) {
             Some(id) => {
                 self.stats.cache_hits += 1;
@@ -368,8 +485,252 @@ impl CachingPool {
         Ok(id)
     }
 
+    /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
+    /// new segment) and map whatever pages of it are not mapped yet.
+    fn place_expandable(
+        &mut self,
+        found: Option<u32>,
+        stream: Stream,
+        size: u64,
+        kind: PoolKind,
+    ) -> Result<u32> {
+        let id = match found {
+            Some(id) => id,
+            None => match self.grow_expandable(stream, size, kind) {
+                Ok(id) => id,
+                Err(e) => {
+                    self.stats.cache_misses += 1;
+                    return Err(e);
+                }
+            },
+        };
+        self.split(id, size);
+        match self.ensure_mapped(id, stream) {
+            Ok(0) => {
+                self.stats.cache_hits += 1;
+                Ok(id)
+            }
+            Ok(_) => {
+                self.stats.cache_misses += 1;
+                Ok(id)
+            }
+            Err(e) => {
+                self.stats.cache_misses += 1;
+                self.free_block(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Address space reserved for one expandable segment.
+    fn va_size(&self, size: u64) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let va = self.capacity.saturating_mul(2).min(1 << 42).max(size);
+        va.div_ceil(page) * page
+    }
+
+    /// A new expandable segment for `stream` and `kind`, nothing mapped; returns its single
+    /// block, not in any free set.
+    fn grow_expandable(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Result<u32> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let va = self.va_size(size);
+        let addr = self.backend.reserve_address(va)?;
+        if addr % page != 0 {
+            let _ = self.backend.release_address(addr, va);
+            return Err(Error::Unsupported {
+                backend: self.backend.name().to_string(),
+                what: format!("reserved address {addr:#x} is not page-aligned"),
+            });
+        }
+        let seg = self.new_segment(Segment {
+            addr,
+            size: va,
+            stream,
+            kind,
+            head: NIL,
+            last_used: self.tick,
+            pages: Some(Box::new(Pages::new(va / page))),
+        });
+        let id = self.new_block(Block {
+            addr,
+            size: va,
+            requested: 0,
+            rounded: 0,
+            stream,
+            segment: seg,
+            prev: NIL,
+            next: NIL,
+            state: State::Allocated,
+            kind,
+            uses: None,
+            tracked: false,
+        });
+        self.segments[seg as usize].head = id;
+        self.segment_index.insert(addr, seg);
+        self.register_stream(stream);
+        self.stats.segment.inc(kind, 1);
+        Ok(id)
+    }
+
+    /// Map the unmapped pages under block `id` (taken, not free); returns the bytes mapped.
+    /// Beyond the allowance (peak allocated bytes plus the slack), free pages elsewhere are
+    /// unmapped first so that the physical memory does not grow.
+    fn ensure_mapped(&mut self, id: u32, stream: Stream) -> Result<u64> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let (addr, size, seg) = {
+            let b = &self.blocks[id as usize];
+            (b.addr, b.size, b.segment)
+        };
+        let base = self.segments[seg as usize].addr;
+        let (p0, p1) = ((addr - base) / page, (addr + size - base).div_ceil(page));
+        let runs = match &self.segments[seg as usize].pages {
+            Some(pages) => pages.runs(p0, p1, false),
+            None => return Ok(0),
+        };
+        let need = runs.iter().map(|r| r.1).sum::<u64>() * page;
+        if need == 0 {
+            return Ok(0);
+        }
+        self.peak_allocated = self.peak_allocated.max(self.stats.allocated() + size);
+        let allowance = (self.peak_allocated as f64 * (1.0 + self.policy.slack)) as u64;
+        let reserved = self.stats.reserved();
+        if reserved + need > allowance {
+            self.reclaim_pages(stream, reserved + need - allowance);
+        }
+        for (first, n) in runs {
+            let (a, bytes) = (base + first * page, n * page);
+            let mut r = self.backend.map(a, bytes);
+            if matches!(&r, Err(e) if e.is_out_of_memory()) {
+                self.stats.num_alloc_retries += 1;
+                self.release_cached();
+                r = self.backend.map(a, bytes);
+                if matches!(&r, Err(e) if e.is_out_of_memory()) && !self.pending.is_empty() {
+                    self.sync_pending();
+                    self.release_cached();
+                    r = self.backend.map(a, bytes);
+                }
+            }
+            match r {
+                Ok(()) => self.note_mapped(seg, first, n, true),
+                Err(e) if e.is_out_of_memory() => return Err(self.oom_error(size, need)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(need)
+    }
+
+    /// Record that pages `[first, first + n)` of `seg` were mapped (`on`) or unmapped.
+    fn note_mapped(&mut self, seg: u32, first: u64, n: u64, on: bool) {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let s = &mut self.segments[seg as usize];
+        let kind = s.kind;
+        if let Some(p) = s.pages.as_mut() {
+            p.set(first, n, on);
+        }
+        let bytes = n * page;
+        if on {
+            self.stats.reserved_bytes.inc(kind, bytes);
+            self.stats.num_device_alloc += 1;
+            self.stats.mapped_bytes += bytes;
+            let now = self.shared.reserved.fetch_add(bytes, Ordering::Relaxed) + bytes;
+            self.shared.peak_reserved.fetch_max(now, Ordering::Relaxed);
+        } else {
+            self.stats.reserved_bytes.dec(kind, bytes);
+            self.stats.num_device_free += 1;
+            self.stats.unmapped_bytes += bytes;
+            self.shared.reserved.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Unmap up to about `want` bytes of pages lying wholly inside free blocks of expandable
+    /// segments, those of `stream` first and the highest addresses first, after waiting for the
+    /// segment's stream. Returns the bytes unmapped.
+    fn reclaim_pages(&mut self, stream: Stream, want: u64) -> u64 {
+        let Some(page) = self.policy.page else {
+            return 0;
+        };
+        self.flush_quick();
+        let mut order: Vec<u32> = self
+            .segment_index
+            .values()
+            .copied()
+            .filter(|&s| self.segments[s as usize].pages.is_some())
+            .collect();
+        order.sort_by_key(|&s| self.segments[s as usize].stream != stream);
+        let mut got = 0u64;
+        let mut synced: Vec<Stream> = Vec::new();
+        for seg in order {
+            if got >= want {
+                break;
+            }
+            let (base, owner) = {
+                let s = &self.segments[seg as usize];
+                (s.addr, s.stream)
+            };
+            // free blocks of the segment, in address order
+            let mut free = Vec::new();
+            let mut id = self.segments[seg as usize].head;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if b.state == State::Free {
+                    free.push((b.addr, b.size));
+                }
+                id = b.next;
+            }
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            let mut take = want - got;
+            for &(addr, size) in free.iter().rev() {
+                if take == 0 {
+                    break;
+                }
+                let first = (addr - base).div_ceil(page);
+                let end = (addr + size - base) / page;
+                if first >= end {
+                    continue;
+                }
+                let pages = self.segments[seg as usize]
+                    .pages
+                    .as_ref()
+                    .expect("expandable");
+                for (f, n) in pages.runs(first, end, true).into_iter().rev() {
+                    let k = n.min(take.div_ceil(page));
+                    runs.push((f + n - k, k));
+                    take = take.saturating_sub(k * page);
+                    if take == 0 {
+                        break;
+                    }
+                }
+            }
+            if runs.is_empty() {
+                continue;
+            }
+            if !synced.contains(&owner) {
+                // unmapping is immediate: the stream's queued work must not touch these pages
+                if let Err(e) = self.backend.synchronize(owner) {
+                    tracing::warn!("gpumem: cannot synchronize before unmapping: {e}");
+                    continue;
+                }
+                self.stats.num_unmap_syncs += 1;
+                synced.push(owner);
+            }
+            for (first, n) in runs {
+                match self.backend.unmap(base + first * page, n * page) {
+                    Ok(()) => {
+                        self.note_mapped(seg, first, n, false);
+                        got += n * page;
+                    }
+                    Err(e) => tracing::warn!("gpumem: unmapping pages failed: {e}"),
+                }
+            }
+        }
+        got
+    }
+
     /// PyTorch's rules for using a block of `bsize` for a request of `size`.
     fn fits(&self, size: u64, bsize: u64) -> bool {
+        if self.policy.page.is_some() {
+            return true; // expandable segments: any free block will do, it costs only pages
+        }
         let max = self.policy.max_split;
         if size < max && bsize >= max {
             return false; // never hand an unsplittable block to a small request
@@ -398,7 +759,7 @@ impl CachingPool {
 
     /// Take a wholly free segment another stream cached, ordered behind that stream's work.
     fn steal(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
-        if !self.policy.cross_stream {
+        if !self.policy.cross_stream || self.policy.page.is_some() {
             return None;
         }
         let k = kind as usize;
@@ -504,6 +865,7 @@ impl CachingPool {
             kind,
             head: NIL,
             last_used: self.tick,
+            pages: None,
         });
         let id = self.new_block(Block {
             addr,
@@ -535,6 +897,7 @@ impl CachingPool {
         let b = &self.blocks[id as usize];
         let remaining = b.size - size;
         let worth = match b.kind {
+            _ if self.policy.page.is_some() => remaining >= MIN_BLOCK,
             PoolKind::Small => remaining >= MIN_BLOCK,
             PoolKind::Large => size < self.policy.max_split && remaining > SMALL_SIZE,
         };
@@ -857,14 +1220,17 @@ impl CachingPool {
 
     // ------------------------------------------------------------------ releasing segments
 
-    /// Segments whose only block is free.
+    /// Segments whose only block is free (and, if expandable, with nothing mapped).
     fn releasable(&self) -> Vec<u32> {
         self.segment_index
             .values()
             .copied()
             .filter(|&s| {
-                let b = &self.blocks[self.segments[s as usize].head as usize];
-                b.state == State::Free && b.next == NIL
+                let seg = &self.segments[s as usize];
+                let b = &self.blocks[seg.head as usize];
+                b.state == State::Free
+                    && b.next == NIL
+                    && seg.pages.as_ref().is_none_or(|p| p.mapped == 0)
             })
             .collect()
     }
@@ -878,6 +1244,13 @@ impl CachingPool {
         self.release_block(head);
         self.segment_index.remove(&addr);
         self.spare_segments.push(seg);
+        if self.segments[seg as usize].pages.take().is_some() {
+            if let Err(e) = self.backend.release_address(addr, size) {
+                tracing::warn!("gpumem: releasing address range {addr:#x} failed: {e}");
+            }
+            self.stats.segment.dec(kind, 1);
+            return;
+        }
         if let Err(e) = self.backend.deallocate(addr, size as usize, stream) {
             tracing::warn!("gpumem: returning segment {addr:#x} ({size} B) failed: {e}");
         }
@@ -891,9 +1264,12 @@ impl CachingPool {
     pub fn release_cached(&mut self) -> u64 {
         self.flush_quick();
         self.process_events();
-        let mut bytes = 0;
+        let mut bytes = self.reclaim_pages(Stream::DEFAULT, u64::MAX);
         for seg in self.releasable() {
-            bytes += self.segments[seg as usize].size;
+            let s = &self.segments[seg as usize];
+            if s.pages.is_none() {
+                bytes += s.size;
+            }
             self.release_segment(seg);
         }
         bytes
@@ -910,6 +1286,9 @@ impl CachingPool {
         let Some(t) = self.policy.gc_threshold else {
             return;
         };
+        if self.policy.page.is_some() {
+            return; // expandable segments never hold more than the allowance anyway
+        }
         let target = ((self.capacity as f64 * t) as u64).saturating_sub(incoming);
         if self.shared.reserved.load(Ordering::Relaxed) <= target {
             return;
@@ -948,14 +1327,47 @@ impl CachingPool {
 
     // ------------------------------------------------------------------------- inspection
 
-    /// Largest free (cached) block.
+    /// Largest free (cached) block; in expandable segments, the longest free range that is
+    /// mapped (so it is served with no driver call).
     pub fn largest_free_block(&self) -> u64 {
+        if self.policy.page.is_some() {
+            return self.largest_mapped_free();
+        }
         let free = self.free.iter().flatten().filter_map(|f| f.largest());
         let quick = self
             .quick
             .iter()
             .map(|&(_, _, id)| self.blocks[id as usize].size);
         free.chain(quick).max().unwrap_or(0)
+    }
+
+    fn largest_mapped_free(&self) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let mut best = self
+            .quick
+            .iter()
+            .map(|&(_, _, id)| self.blocks[id as usize].size)
+            .max()
+            .unwrap_or(0);
+        for &seg in self.segment_index.values() {
+            let s = &self.segments[seg as usize];
+            let Some(pages) = &s.pages else {
+                continue;
+            };
+            let mut id = s.head;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if b.state == State::Free {
+                    let (lo, hi) = (b.addr - s.addr, b.addr + b.size - s.addr);
+                    for (f, n) in pages.runs(lo / page, hi.div_ceil(page), true) {
+                        let run = (hi.min((f + n) * page)) - lo.max(f * page);
+                        best = best.max(run);
+                    }
+                }
+                id = b.next;
+            }
+        }
+        best
     }
 
     /// Every segment with its blocks, in address order.
@@ -978,11 +1390,22 @@ impl CachingPool {
                     });
                     id = b.next;
                 }
+                let page = self.policy.page.unwrap_or(MIN_BLOCK);
+                let mapped = match &s.pages {
+                    None => vec![(s.addr, s.size)],
+                    Some(p) => p
+                        .runs(0, s.size / page, true)
+                        .into_iter()
+                        .map(|(f, n)| (s.addr + f * page, n * page))
+                        .collect(),
+                };
                 SegmentInfo {
                     addr: s.addr,
                     size: s.size,
                     stream: s.stream,
                     kind: s.kind,
+                    expandable: s.pages.is_some(),
+                    mapped,
                     blocks,
                 }
             })
@@ -998,7 +1421,17 @@ impl CachingPool {
         for &seg in self.segment_index.values() {
             let s = &self.segments[seg as usize];
             want.segment.add_current(s.kind, 1);
-            want.reserved_bytes.add_current(s.kind, s.size);
+            let page = self.policy.page.unwrap_or(MIN_BLOCK);
+            match &s.pages {
+                None => want.reserved_bytes.add_current(s.kind, s.size),
+                Some(p) => {
+                    let count: u64 = p.bits.iter().map(|w| w.count_ones() as u64).sum();
+                    if count != p.mapped {
+                        return Err(format!("segment {:#x}: mapped page count is off", s.addr));
+                    }
+                    want.reserved_bytes.add_current(s.kind, p.mapped * page);
+                }
+            }
             let (mut id, mut cursor, mut prev) = (s.head, s.addr, NIL);
             let mut prev_free = false;
             while id != NIL {
@@ -1016,6 +1449,12 @@ impl CachingPool {
                     return Err(format!("misaligned block {:#x}+{}", b.addr, b.size));
                 }
                 let split = b.prev != NIL || b.next != NIL;
+                if let (Some(p), false) = (&s.pages, b.state == State::Free) {
+                    let (lo, hi) = (b.addr - s.addr, b.addr + b.size - s.addr);
+                    if !p.runs(lo / page, hi.div_ceil(page), false).is_empty() {
+                        return Err(format!("block {:#x} in use on unmapped pages", b.addr));
+                    }
+                }
                 match b.state {
                     State::Free => {
                         if prev_free {
@@ -1144,17 +1583,25 @@ impl Drop for CachingPool {
             let _ = self.backend.sync_event(*e);
             self.backend.destroy_event(*e);
         }
-        let segs: Vec<(u64, u64, Stream)> = self
-            .segment_index
-            .values()
-            .map(|&s| {
-                let s = &self.segments[s as usize];
-                (s.addr, s.size, s.stream)
-            })
-            .collect();
-        for (addr, size, stream) in segs {
-            let _ = self.backend.deallocate(addr, size as usize, stream);
-            self.shared.reserved.fetch_sub(size, Ordering::Relaxed);
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let mut synced: Vec<Stream> = Vec::new();
+        for seg in self.segment_index.values() {
+            let s = &self.segments[*seg as usize];
+            let Some(pages) = &s.pages else {
+                let _ = self.backend.deallocate(s.addr, s.size as usize, s.stream);
+                self.shared.reserved.fetch_sub(s.size, Ordering::Relaxed);
+                continue;
+            };
+            if pages.mapped > 0 && !synced.contains(&s.stream) {
+                let _ = self.backend.synchronize(s.stream);
+                synced.push(s.stream);
+            }
+            for (f, n) in pages.runs(0, s.size / page, true) {
+                if self.backend.unmap(s.addr + f * page, n * page).is_ok() {
+                    self.shared.reserved.fetch_sub(n * page, Ordering::Relaxed);
+                }
+            }
+            let _ = self.backend.release_address(s.addr, s.size);
         }
     }
 }

@@ -106,6 +106,12 @@ pub struct Stats {
     pub num_cross_stream_reuses: u64,
     /// blocks freed with other streams recorded, whose reuse waited on events
     pub num_deferred_frees: u64,
+    /// bytes mapped into expandable segments (cumulative)
+    pub mapped_bytes: u64,
+    /// bytes unmapped from expandable segments (cumulative)
+    pub unmapped_bytes: u64,
+    /// host waits for one stream before unmapping its free pages
+    pub num_unmap_syncs: u64,
 }
 
 impl Stats {
@@ -147,6 +153,9 @@ impl Stats {
         self.cache_misses += o.cache_misses;
         self.num_cross_stream_reuses += o.num_cross_stream_reuses;
         self.num_deferred_frees += o.num_deferred_frees;
+        self.mapped_bytes += o.mapped_bytes;
+        self.unmapped_bytes += o.unmapped_bytes;
+        self.num_unmap_syncs += o.num_unmap_syncs;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -278,6 +287,9 @@ pub(crate) struct HotStats {
     pub(crate) cache_misses: u64,
     pub(crate) num_cross_stream_reuses: u64,
     pub(crate) num_deferred_frees: u64,
+    pub(crate) mapped_bytes: u64,
+    pub(crate) unmapped_bytes: u64,
+    pub(crate) num_unmap_syncs: u64,
 }
 
 impl HotStats {
@@ -422,6 +434,9 @@ impl HotStats {
             cache_misses: self.cache_misses,
             num_cross_stream_reuses: self.num_cross_stream_reuses,
             num_deferred_frees: self.num_deferred_frees,
+            mapped_bytes: self.mapped_bytes,
+            unmapped_bytes: self.unmapped_bytes,
+            num_unmap_syncs: self.num_unmap_syncs,
         }
     }
 }

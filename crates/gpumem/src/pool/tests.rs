@@ -7,9 +7,11 @@ const MIB: u64 = 1 << 20;
 const A: Stream = Stream(1);
 const B: Stream = Stream(2);
 
+/// A pool with classic segments (unless `conf` says otherwise) over a simulated device.
 fn pool_with(capacity: u64, conf: &str) -> (CachingPool, Arc<SimulatedDevice>) {
     let dev = Arc::new(SimulatedDevice::new(capacity));
-    let cfg = Config::parse(conf).unwrap();
+    let mut cfg = Config::parse("expandable_segments:False").unwrap();
+    cfg.apply(conf).unwrap();
     let pool = CachingPool::new(dev.clone(), &cfg, Arc::new(SharedCounters::default()));
     (pool, dev)
 }
@@ -352,4 +354,154 @@ fn peak_and_reset() {
     p.reset_peak();
     assert_eq!(p.stats().allocated_bytes.all.peak, 0);
     assert_eq!(p.stats().reserved_bytes.all.peak, 20 * MIB);
+}
+
+// ------------------------------------------------------------------ expandable segments
+
+const PAGE: u64 = 2 * MIB;
+
+fn vmm_pool(capacity: u64) -> (CachingPool, Arc<SimulatedDevice>) {
+    let (p, dev) = pool_with(capacity, "expandable_segments:True,quick_cache:0");
+    assert!(p.expandable());
+    (p, dev)
+}
+
+#[test]
+fn expandable_segment_maps_only_the_pages_blocks_use() {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    let a = alloc(&mut p, A, 30 * MIB + 1);
+    let s = p.stats();
+    assert_eq!(s.segment.all.current, 1, "one address range");
+    assert_eq!(
+        s.reserved_bytes.all.current,
+        16 * PAGE,
+        "30 MiB + 512 B on 2 MiB pages"
+    );
+    let b = alloc(&mut p, A, 10 * MIB);
+    assert_eq!(
+        b,
+        a + 30 * MIB + 512,
+        "placed right after a, in the same range"
+    );
+    // b shares a's last page
+    assert_eq!(p.stats().reserved_bytes.all.current, 21 * PAGE);
+    assert_eq!(p.stats().segment.all.current, 1);
+    // small blocks get their own range
+    let c = alloc(&mut p, A, 4096);
+    assert_eq!(p.stats().segment.all.current, 2);
+    assert_eq!(p.stats().reserved_bytes.small_pool.current, PAGE);
+    assert_eq!(dev.counters().mapped_bytes, 22 * PAGE);
+    for x in [a, b, c] {
+        free(&mut p, x);
+    }
+    // freed pages stay mapped: reuse needs no driver call
+    let maps = dev.counters().maps;
+    let d = alloc(&mut p, A, 40 * MIB);
+    assert_eq!(d, a);
+    assert_eq!(dev.counters().maps, maps);
+}
+
+#[test]
+fn expandable_segment_moves_free_pages_instead_of_growing() {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    let a = alloc(&mut p, A, 100 * MIB);
+    let b = alloc(&mut p, A, 100 * MIB);
+    free(&mut p, a);
+    // 150 MiB does not fit in a's hole: it goes after b, and a's pages are unmapped first
+    let c = alloc(&mut p, A, 150 * MIB);
+    assert!(c > b);
+    let s = p.stats();
+    let live = 250 * MIB + 1024;
+    assert!(
+        s.reserved_bytes.all.current <= live + 2 * PAGE,
+        "reserved {} for {live} live",
+        s.reserved_bytes.all.current
+    );
+    assert_eq!(
+        s.num_unmap_syncs, 1,
+        "waited for the stream before unmapping"
+    );
+    assert!(dev.counters().syncs >= 1);
+    assert!(s.unmapped_bytes >= 98 * MIB);
+    // a's hole is reused later: its pages are mapped again
+    let d = alloc(&mut p, A, 100 * MIB);
+    assert_eq!(d, a);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn expandable_slack_keeps_pages_cached() {
+    let (mut p, _) = pool_with(1 << 40, "expandable_slack:0.9,quick_cache:0");
+    let a = alloc(&mut p, A, 100 * MIB);
+    let _b = alloc(&mut p, A, 100 * MIB);
+    free(&mut p, a);
+    let _c = alloc(&mut p, A, 150 * MIB);
+    assert_eq!(
+        p.stats().unmapped_bytes,
+        0,
+        "within the slack nothing is unmapped"
+    );
+    assert!(p.stats().reserved_bytes.all.current >= 350 * MIB);
+}
+
+#[test]
+fn expandable_empty_cache_unmaps_free_pages_and_releases_ranges() {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    let a = alloc(&mut p, A, 64 * MIB);
+    let b = alloc(&mut p, A, 1000);
+    let c = alloc(&mut p, A, 64 * MIB);
+    free(&mut p, a);
+    p.empty_cache();
+    p.check_invariants().unwrap();
+    // c's pages stay (b is in the small pool's range); a's went
+    assert_eq!(p.stats().reserved_bytes.large_pool.current, 32 * PAGE);
+    free(&mut p, b);
+    free(&mut p, c);
+    p.empty_cache();
+    p.check_invariants().unwrap();
+    let s = p.stats();
+    assert_eq!(s.reserved_bytes.all.current, 0);
+    assert_eq!(s.segment.all.current, 0, "address ranges given back");
+    assert_eq!(dev.counters().used, 0);
+}
+
+#[test]
+fn expandable_out_of_memory_moves_pages_then_reports() {
+    let (mut p, _) = vmm_pool(256 * MIB);
+    let a = alloc(&mut p, A, 200 * MIB);
+    let keep = alloc(&mut p, A, 20 * MIB);
+    free(&mut p, a);
+    // 230 MiB does not fit beside 20 MiB in 256 MiB unless a's pages are given back
+    let b = alloc(&mut p, A, 230 * MIB);
+    free(&mut p, b);
+    let err = p.allocate(A, (300 * MIB) as usize, 512).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(p.stats().num_ooms, 1);
+    p.check_invariants().unwrap();
+    // still usable
+    let c = alloc(&mut p, A, 200 * MIB);
+    free(&mut p, c);
+    free(&mut p, keep);
+}
+
+#[test]
+fn expandable_never_unmaps_pages_of_pending_blocks() {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    dev.set_auto_complete(false);
+    let a = alloc(&mut p, A, 100 * MIB);
+    p.record_stream(a, B).unwrap();
+    free(&mut p, a); // pending on B's event
+    let _b = alloc(&mut p, A, 150 * MIB);
+    p.check_invariants().unwrap(); // a's pages are still mapped (checked per block)
+    assert_eq!(p.stats().unmapped_bytes, 0);
+    dev.complete_events();
+    let _c = alloc(&mut p, A, 120 * MIB);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_device_without_virtual_memory_gets_classic_segments() {
+    let dev = Arc::new(SimulatedDevice::new(1 << 40).without_vmm());
+    let p = CachingPool::new(dev, &Config::default(), Arc::new(SharedCounters::default()));
+    assert!(!p.expandable());
 }

@@ -84,6 +84,44 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &str;
     /// Where the bytes live.
     fn location(&self) -> Location;
+
+    // ------------------------------------------------------------ virtual-memory segments
+
+    /// Page size of virtual-memory segments, or `None` where this resource has none
+    /// (the pool then falls back to classic segments).
+    fn vmm_page_size(&self) -> Option<u64> {
+        None
+    }
+    /// Reserve `bytes` (a multiple of the page size) of address space with no memory behind it.
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
+        let _ = bytes;
+        Err(self.no_vmm())
+    }
+    /// Give back address space from [`Resource::reserve_address`]; nothing may be mapped in it.
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let _ = (addr, bytes);
+        Err(self.no_vmm())
+    }
+    /// Back the unmapped, page-aligned range `[addr, addr + bytes)` of reserved address space
+    /// with new physical memory (one handle per page, so pages unmap one by one), readable and
+    /// writable by this device. All of the range is mapped, or none of it.
+    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let _ = (addr, bytes);
+        Err(self.no_vmm())
+    }
+    /// Unmap the mapped, page-aligned range `[addr, addr + bytes)` and release its physical
+    /// memory. The caller has made sure no queued work still touches it.
+    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let _ = (addr, bytes);
+        Err(self.no_vmm())
+    }
+    /// The error the virtual-memory methods return where there are none.
+    fn no_vmm(&self) -> crate::error::Error {
+        crate::error::Error::Unsupported {
+            backend: self.name().to_string(),
+            what: "virtual-memory segments".into(),
+        }
+    }
 }
 
 /// Direction of a copy.

@@ -3,6 +3,10 @@
 //! Used for out-of-memory tests, property tests and trace replay. Addresses are aligned to the
 //! driver's 2 MiB granularity like cuMemAlloc's. Events can be left pending so that tests can
 //! check that the pool never reuses memory another stream may still be using.
+//!
+//! It also models virtual-memory segments: address space reserved for free, physical memory
+//! mapped into it in 2 MiB pages and counted against the capacity, as on a CUDA device with
+//! cuMemAddressReserve / cuMemCreate / cuMemMap.
 
 use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps};
 use crate::error::{Error, Result};
@@ -16,6 +20,7 @@ const SIM_BASE: u64 = 0x7f00_0000_0000;
 #[derive(Debug, Default)]
 struct SimState {
     next_addr: u64,
+    next_va: u64,
     used: u64,
     live: FxHashMap<DevPtr, u64>,
     next_event: u64,
@@ -24,6 +29,13 @@ struct SimState {
     allocs: u64,
     frees: u64,
     stream_waits: u64,
+    syncs: u64,
+    /// reserved address ranges: base → bytes
+    ranges: FxHashMap<DevPtr, u64>,
+    /// mapped pages (addresses)
+    mapped: FxHashSet<DevPtr>,
+    maps: u64,
+    unmaps: u64,
 }
 
 /// Counters of what the simulated device was asked to do.
@@ -39,26 +51,46 @@ pub struct SimCounters {
     pub stream_waits: u64,
     /// events recorded and not yet complete
     pub pending_events: usize,
+    /// host synchronisations with a stream
+    pub syncs: u64,
+    /// map calls that succeeded
+    pub maps: u64,
+    /// unmap calls that succeeded
+    pub unmaps: u64,
+    /// bytes mapped into virtual-memory segments now (included in `used`)
+    pub mapped_bytes: u64,
 }
 
 /// A device with `capacity` bytes and no memory behind its addresses.
 #[derive(Debug)]
 pub struct SimulatedDevice {
     capacity: u64,
+    vmm: bool,
     state: Mutex<SimState>,
 }
+
+/// Start of the simulated virtual-memory address space (apart from classic segments).
+const SIM_VA_BASE: u64 = 0x5000_0000_0000;
 
 impl SimulatedDevice {
     /// A device of `capacity` bytes whose events complete at once.
     pub fn new(capacity: u64) -> Self {
         Self {
             capacity,
+            vmm: true,
             state: Mutex::new(SimState {
                 next_addr: SIM_BASE,
+                next_va: SIM_VA_BASE,
                 auto_complete: true,
                 ..Default::default()
             }),
         }
+    }
+
+    /// The same device without virtual-memory support (as on a GPU without VMM).
+    pub fn without_vmm(mut self) -> Self {
+        self.vmm = false;
+        self
     }
 
     /// When false, recorded events stay pending until [`SimulatedDevice::complete_events`]
@@ -81,6 +113,10 @@ impl SimulatedDevice {
             frees: s.frees,
             stream_waits: s.stream_waits,
             pending_events: s.pending.len(),
+            syncs: s.syncs,
+            maps: s.maps,
+            unmaps: s.unmaps,
+            mapped_bytes: s.mapped.len() as u64 * SIM_GRANULARITY,
         }
     }
 
@@ -148,6 +184,106 @@ impl Resource for SimulatedDevice {
     fn location(&self) -> Location {
         Location::Simulated
     }
+
+    fn vmm_page_size(&self) -> Option<u64> {
+        self.vmm.then_some(SIM_GRANULARITY)
+    }
+
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
+        if !self.vmm {
+            return Err(self.no_vmm());
+        }
+        if bytes == 0 || bytes % SIM_GRANULARITY != 0 {
+            return Err(Error::Config(format!(
+                "simulated reserve_address of {bytes} bytes: not a positive multiple of the page"
+            )));
+        }
+        let mut s = self.state.lock();
+        let addr = s.next_va;
+        s.next_va += bytes + SIM_GRANULARITY; // a guard page between ranges
+        s.ranges.insert(addr, bytes);
+        Ok(addr)
+    }
+
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let mut s = self.state.lock();
+        match s.ranges.get(&addr) {
+            Some(&b) if b == bytes => {}
+            _ => return Err(Error::UnknownPointer { ptr: addr }),
+        }
+        if let Some(page) = s.mapped.iter().find(|&&p| p >= addr && p < addr + bytes) {
+            return Err(Error::Config(format!(
+                "simulated release_address of {addr:#x}: page {page:#x} still mapped"
+            )));
+        }
+        s.ranges.remove(&addr);
+        Ok(())
+    }
+
+    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let mut s = self.state.lock();
+        check_pages(&s, addr, bytes, false)?;
+        if s.used.checked_add(bytes).is_none_or(|u| u > self.capacity) {
+            return Err(Error::ResourceExhausted {
+                resource: "simulated".into(),
+                bytes,
+            });
+        }
+        let mut page = addr;
+        while page < addr + bytes {
+            s.mapped.insert(page);
+            page += SIM_GRANULARITY;
+        }
+        s.used += bytes;
+        s.maps += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let mut s = self.state.lock();
+        check_pages(&s, addr, bytes, true)?;
+        let mut page = addr;
+        while page < addr + bytes {
+            s.mapped.remove(&page);
+            page += SIM_GRANULARITY;
+        }
+        s.used -= bytes;
+        s.unmaps += 1;
+        Ok(())
+    }
+}
+
+/// Check that `[addr, addr + bytes)` is whole pages of one reserved range, all mapped
+/// (`mapped`) or all unmapped.
+fn check_pages(s: &SimState, addr: DevPtr, bytes: u64, mapped: bool) -> Result<()> {
+    let bad = |why: &str| {
+        Err(Error::Config(format!(
+            "simulated {} of {addr:#x}+{bytes}: {why}",
+            if mapped { "unmap" } else { "map" }
+        )))
+    };
+    if bytes == 0 || addr % SIM_GRANULARITY != 0 || bytes % SIM_GRANULARITY != 0 {
+        return bad("not whole pages");
+    }
+    let inside = s
+        .ranges
+        .iter()
+        .any(|(&base, &len)| addr >= base && addr + bytes <= base + len);
+    if !inside {
+        return bad("outside reserved address space");
+    }
+    let mut page = addr;
+    while page < addr + bytes {
+        if s.mapped.contains(&page) != mapped {
+            return bad(if mapped {
+                "a page is not mapped"
+            } else {
+                "a page is already mapped"
+            });
+        }
+        page += SIM_GRANULARITY;
+    }
+    Ok(())
 }
 
 impl StreamOps for SimulatedDevice {
@@ -173,6 +309,7 @@ impl StreamOps for SimulatedDevice {
     }
     fn destroy_event(&self, _event: Event) {}
     fn synchronize(&self, _stream: Stream) -> Result<()> {
+        self.state.lock().syncs += 1;
         Ok(())
     }
     unsafe fn copy(&self, _: DevPtr, _: DevPtr, _: usize, _: CopyKind, _: Stream) -> Result<()> {
