@@ -117,11 +117,6 @@ impl Pages {
         }
     }
 
-    #[inline]
-    fn get(&self, p: u64) -> bool {
-        self.bits[(p / 64) as usize] & (1 << (p % 64)) != 0
-    }
-
     fn set(&mut self, first: u64, n: u64, on: bool) {
         for p in first..first + n {
             let (w, bit) = ((p / 64) as usize, 1u64 << (p % 64));
