@@ -1,6 +1,7 @@
 //! The `gpumem` command line.
 
 mod bench;
+mod viz;
 
 use bench::{Plan, Row};
 use clap::{Parser, Subcommand};
@@ -28,8 +29,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Replay allocation traces (JSON Lines, gzip or plain) through gpumem's policy on a
-    /// simulated device and compare what each policy reserves with what the trace recorded.
+    /// Replay allocation traces (JSON Lines, gzip or plain, or PyTorch snapshot pickles)
+    /// through gpumem's policies on a simulated device and compare what each reserves with what
+    /// the trace recorded: gpumem's default, gpumem without virtual-memory segments, and any
+    /// `--conf` policies.
     Replay {
         /// Trace files.
         #[arg(required = true)]
@@ -40,6 +43,22 @@ enum Command {
         /// One JSON object per trace instead of a table.
         #[arg(long)]
         json: bool,
+        /// Also replay on CUDA device N with real allocations (no kernels), to check the
+        /// simulation against the GPU.
+        #[arg(long)]
+        device: Option<usize>,
+    },
+    /// Draw a trace: memory timeline and segment map at the peak, as one self-contained HTML
+    /// file.
+    Viz {
+        /// Trace file.
+        trace: std::path::PathBuf,
+        /// Output HTML file.
+        #[arg(short, long, default_value = "memory.html")]
+        output: std::path::PathBuf,
+        /// Policy whose replay is drawn (configuration string; default: gpumem's default).
+        #[arg(long, default_value = "")]
+        conf: String,
     },
     /// Benchmarks.
     Bench {
@@ -273,8 +292,19 @@ struct ReplayOut {
     policies: Vec<gpumem::trace::PolicyReport>,
 }
 
-fn replay(traces: &[std::path::PathBuf], confs: &[String], json: bool) -> Result<(), String> {
-    let mut policies = vec![("gpumem".to_string(), Config::default())];
+fn replay(
+    traces: &[std::path::PathBuf],
+    confs: &[String],
+    json: bool,
+    device: Option<usize>,
+) -> Result<(), String> {
+    let mut policies = vec![
+        ("gpumem".to_string(), Config::default()),
+        (
+            "gpumem (no VMM)".to_string(),
+            Config::parse("expandable_segments:False").map_err(|e| e.to_string())?,
+        ),
+    ];
     for c in confs {
         policies.push((c.clone(), Config::parse(c).map_err(|e| e.to_string())?));
     }
@@ -285,10 +315,16 @@ fn replay(traces: &[std::path::PathBuf], confs: &[String], json: bool) -> Result
             events: events.len(),
             policies: vec![gpumem::trace::recorded(&events)],
         };
+        let err = |e: gpumem::Error| format!("{}: {e}", path.display());
         for (name, config) in &policies {
-            let r = gpumem::trace::replay(name, &events, config, 1 << 50)
-                .map_err(|e| format!("{}: {e}", path.display()))?;
-            out.policies.push(r);
+            out.policies
+                .push(gpumem::trace::replay(name, &events, config, 1 << 50).map_err(err)?);
+        }
+        if let Some(ordinal) = device {
+            for (name, config) in &policies {
+                out.policies
+                    .push(replay_on_device(name, &events, config, ordinal).map_err(err)?);
+            }
         }
         if json {
             println!(
@@ -299,30 +335,80 @@ fn replay(traces: &[std::path::PathBuf], confs: &[String], json: bool) -> Result
         }
         println!("{} ({} events)", out.trace, out.events);
         println!(
-            "  {:<28} {:>12} {:>14} {:>7} {:>9} {:>14} {:>9}",
-            "policy", "peak live", "peak reserved", "ratio", "segments", "largest free", "ns/event"
+            "  {:<28} {:<10} {:>10} {:>13} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5}",
+            "policy",
+            "backend",
+            "peak live",
+            "peak reserved",
+            "ratio",
+            "segs",
+            "largest free",
+            "ns/event",
+            "calls",
+            "syncs"
         );
         for p in &out.policies {
             println!(
-                "  {:<28} {:>12} {:>14} {:>7.3} {:>9} {:>14} {:>9.1}",
+                "  {:<28} {:<10} {:>10} {:>13} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5}",
                 p.name,
+                p.backend,
                 human(p.peak_live_bytes),
                 human(p.peak_reserved_bytes),
                 p.ratio,
                 p.segments_at_peak,
                 human(p.largest_free_block_at_peak),
-                p.ns_per_event
+                p.ns_per_event,
+                p.device_calls,
+                p.unmap_syncs
             );
         }
     }
     Ok(())
 }
 
+#[cfg(feature = "cuda")]
+fn replay_on_device(
+    name: &str,
+    events: &[gpumem::trace::TraceEvent],
+    config: &Config,
+    ordinal: usize,
+) -> gpumem::Result<gpumem::trace::PolicyReport> {
+    if !gpumem::device::cuda_available() {
+        return Err(gpumem::Error::NoGpu(
+            "replay --device needs a CUDA GPU".into(),
+        ));
+    }
+    let make = || gpumem::allocator::cuda_backend(ordinal, config);
+    Ok(gpumem::trace::replay_detailed(name, events, config, &make)?.report)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn replay_on_device(
+    _: &str,
+    _: &[gpumem::trace::TraceEvent],
+    _: &Config,
+    _: usize,
+) -> gpumem::Result<gpumem::trace::PolicyReport> {
+    Err(gpumem::Error::NoGpu(
+        "built without the cuda feature".into(),
+    ))
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Info { json } => info(json),
-        Command::Replay { traces, conf, json } => replay(&traces, &conf, json),
+        Command::Replay {
+            traces,
+            conf,
+            json,
+            device,
+        } => replay(&traces, &conf, json, device),
+        Command::Viz {
+            trace,
+            output,
+            conf,
+        } => viz::write(&trace, &output, &conf),
         Command::Bench {
             what:
                 BenchWhat::Alloc {

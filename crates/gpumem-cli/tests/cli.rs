@@ -99,13 +99,103 @@ fn replay_prints_one_json_object_per_trace() {
         .iter()
         .map(|p| p["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["recorded", "gpumem", "quick_cache:0"]);
+    assert_eq!(
+        names,
+        ["recorded", "gpumem", "gpumem (no VMM)", "quick_cache:0"]
+    );
     for p in v["policies"].as_array().unwrap() {
         assert!(p["ratio"].as_f64().unwrap() >= 1.0);
+        for key in [
+            "peak_live_bytes",
+            "segments_at_peak",
+            "largest_free_block_at_peak",
+            "ns_per_event",
+            "backend",
+        ] {
+            assert!(!p[key].is_null(), "{key} missing in {p}");
+        }
         assert!(
             p["peak_reserved_bytes"].as_u64().unwrap() >= p["peak_live_bytes"].as_u64().unwrap()
         );
     }
     let (ok, _, err) = gpumem(&["replay", "/nonexistent.jsonl"]);
     assert!(!ok && err.contains("/nonexistent.jsonl"), "{err}");
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("gpumem-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+const RESNET: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../gpumem/tests/data/resnet50_train.jsonl.gz"
+);
+
+#[test]
+fn viz_writes_one_self_contained_html_file() {
+    let out = tmp("resnet.html");
+    let (ok, _, err) = gpumem(&["viz", RESNET, "-o", out.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let html = std::fs::read_to_string(&out).unwrap();
+    assert!(html.starts_with("<!DOCTYPE html>"));
+    for needle in [
+        "Timeline",
+        "Segment map at the reserved peak",
+        "<polygon",
+        "recorded allocator: reserved",
+        "1.190", // the recorded ratio of this trace
+    ] {
+        assert!(html.contains(needle), "no {needle}");
+    }
+    // nothing is fetched: no scripts, stylesheets or images from elsewhere
+    for bad in ["http://", "https://", "<script", "<link", "<img"] {
+        assert!(!html.contains(bad), "found {bad}");
+    }
+    let (ok, _, err) = gpumem(&["viz", "/nonexistent.jsonl", "-o", out.to_str().unwrap()]);
+    assert!(!ok && err.contains("/nonexistent.jsonl"), "{err}");
+}
+
+/// Renders the page in a real headless Chromium and checks the screenshot shows the chart's
+/// colours (also `scripts/viz-screenshot`).
+#[test]
+#[ignore = "needs chromium (apt install chromium)"]
+fn viz_renders_in_headless_chromium() {
+    let html = tmp("render.html");
+    let png = tmp("render.png");
+    let (ok, _, err) = gpumem(&["viz", RESNET, "-o", html.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let status = Command::new("chromium")
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--window-size=1280,1000",
+        ])
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(format!("file://{}", html.display()))
+        .output()
+        .expect("chromium is installed");
+    assert!(status.status.success(), "{status:?}");
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!((info.width, info.height), (1280, 1000));
+    let px = info.color_type.samples();
+    let count = |rgb: (u8, u8, u8)| {
+        buf.chunks(px)
+            .filter(|p| {
+                (p[0] as i32 - rgb.0 as i32).abs() < 24
+                    && (p[1] as i32 - rgb.1 as i32).abs() < 24
+                    && (p[2] as i32 - rgb.2 as i32).abs() < 24
+            })
+            .count()
+    };
+    // gray live area, blue reserved line, segment map's requested-bytes blue
+    assert!(count((0xc8, 0xc8, 0xc8)) > 20_000, "no timeline area");
+    assert!(count((0x1f, 0x3f, 0xbf)) > 500, "no reserved line");
+    assert!(count((0x2b, 0x6c, 0xb0)) > 2_000, "no segment map");
 }

@@ -126,15 +126,7 @@ impl CachingAllocator {
     /// choosing cuMemAlloc or a cudaMallocAsync pool.
     #[cfg(feature = "cuda")]
     pub fn cuda(ordinal: usize, config: Config) -> Result<Self> {
-        use crate::config::BackendKind;
-        use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
-        let backend: Arc<dyn Backend> = match config.backend {
-            BackendKind::Native => Arc::new(CudaDevice::new(ordinal)?),
-            BackendKind::CudaMallocAsync => {
-                Arc::new(CudaAsyncPool::new(ordinal, config.release_threshold)?)
-            }
-        };
-        Self::new(backend, config)
+        Self::new(cuda_backend(ordinal, &config)?, config)
     }
 
     /// CUDA device 0 where a GPU is usable, else the host backend; configured from
@@ -328,7 +320,20 @@ impl CachingAllocator {
         memory_summary(&title, &self.stats())
     }
 
-    /// All segments of all shards.
+    /// Largest free cached block over all shards (see [`CachingPool::largest_free_block`]).
+    pub fn largest_free_block(&self) -> u64 {
+        (0..self.inner.shards.len())
+            .map(|j| self.shard(j).largest_free_block())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// True when the pools use expandable (virtual-memory) segments.
+    pub fn expandable(&self) -> bool {
+        self.shard(0).expandable()
+    }
+
+    /// Every segment of every shard with its blocks (for inspection and drawing).
     pub fn segments(&self) -> Vec<SegmentInfo> {
         (0..self.inner.shards.len())
             .flat_map(|j| self.shard(j).segments())
@@ -397,3 +402,17 @@ impl Resource for CachingAllocator {
 }
 
 crate::adaptor::forward_stream_ops!(CachingAllocator, |s| s.inner.backend);
+
+/// The CUDA resource `config` asks for on device `ordinal`: cuMemAlloc and virtual-memory pages
+/// (`backend:native`, the default) or a stream-ordered pool (`backend:cudaMallocAsync`).
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(ordinal: usize, config: &Config) -> Result<Arc<dyn Backend>> {
+    use crate::config::BackendKind;
+    use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
+    Ok(match config.backend {
+        BackendKind::Native => Arc::new(CudaDevice::new(ordinal)?),
+        BackendKind::CudaMallocAsync => {
+            Arc::new(CudaAsyncPool::new(ordinal, config.release_threshold)?)
+        }
+    })
+}

@@ -10,7 +10,7 @@
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::resource::sim::SimulatedDevice;
-use crate::resource::Stream;
+use crate::resource::{Backend, Stream};
 use crate::{Allocation, CachingAllocator};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -93,6 +93,8 @@ pub fn parse_trace(name: &str, reader: impl BufRead) -> Result<Vec<TraceEvent>> 
 pub struct PolicyReport {
     /// policy name (`recorded` for the trace's own allocator)
     pub name: String,
+    /// where the replay ran: `simulated`, a CUDA resource name, or `trace` for `recorded`
+    pub backend: String,
     /// highest sum of live requested bytes
     pub peak_live_bytes: u64,
     /// highest reserved bytes
@@ -101,16 +103,21 @@ pub struct PolicyReport {
     pub ratio: f64,
     /// segments held at the reserved peak
     pub segments_at_peak: u64,
-    /// largest free block when reserved peaked (0 for `recorded`)
+    /// largest free block when reserved peaked (0 for `recorded`); for expandable segments the
+    /// longest free range that is mapped
     pub largest_free_block_at_peak: u64,
     /// allocator time per replayed event (0 for `recorded`)
     pub ns_per_event: f64,
+    /// segment allocations and frees, or page map and unmap calls (expandable segments)
+    pub device_calls: u64,
+    /// host waits for a stream before unmapping pages
+    pub unmap_syncs: u64,
 }
 
 /// The figures of the trace's own allocator, from its `segment_*` events.
 pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
     let (mut live, mut peak_live, mut reserved, mut peak_reserved) = (0u64, 0u64, 0u64, 0u64);
-    let (mut segs, mut segs_at_peak) = (0u64, 0u64);
+    let (mut segs, mut segs_at_peak, mut calls) = (0u64, 0u64, 0u64);
     for e in events {
         match e.action {
             Action::Alloc => {
@@ -121,6 +128,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
             Action::SegmentAlloc => {
                 reserved += e.size;
                 segs += 1;
+                calls += 1;
                 if reserved > peak_reserved {
                     peak_reserved = reserved;
                     segs_at_peak = segs;
@@ -129,18 +137,22 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
             Action::SegmentFree => {
                 reserved = reserved.saturating_sub(e.size);
                 segs = segs.saturating_sub(1);
+                calls += 1;
             }
             Action::FreeRequested => {}
         }
     }
     PolicyReport {
         name: "recorded".into(),
+        backend: "trace".into(),
         peak_live_bytes: peak_live,
         peak_reserved_bytes: peak_reserved,
         ratio: ratio(peak_reserved, peak_live),
         segments_at_peak: segs_at_peak,
         largest_free_block_at_peak: 0,
         ns_per_event: 0.0,
+        device_calls: calls,
+        unmap_syncs: 0,
     }
 }
 
@@ -152,85 +164,147 @@ fn ratio(a: u64, b: u64) -> f64 {
     }
 }
 
+/// A replay in detail: the report, the segments when reserved memory peaked, and the live and
+/// reserved bytes after every replayed event.
+#[derive(Debug, Clone, Serialize)]
+pub struct Replay {
+    /// the figures
+    pub report: PolicyReport,
+    /// every segment with its blocks at the reserved peak
+    pub segments_at_peak: Vec<crate::pool::SegmentInfo>,
+    /// `(time_us, live requested bytes, reserved bytes)` after every replayed event
+    pub timeline: Vec<(u64, u64, u64)>,
+}
+
 /// Replay the demand of `events` through gpumem's pool with `config` over a simulated device of
 /// `capacity` bytes. A free of an address that is not live is an error naming the event.
-/// The demand is replayed twice: once timed with nothing but the allocator calls, once to
-/// record the figures.
 pub fn replay(
     name: &str,
     events: &[TraceEvent],
     config: &Config,
     capacity: u64,
 ) -> Result<PolicyReport> {
+    Ok(replay_detailed(name, events, config, &|| Ok(simulated(capacity)))?.report)
+}
+
+fn simulated(capacity: u64) -> Arc<dyn Backend> {
+    Arc::new(SimulatedDevice::new(capacity))
+}
+
+/// [`replay`] over backends made by `backend` (a fresh one per pass: the demand is replayed
+/// three times, once timed with nothing but the allocator calls, once to find the reserved
+/// peak, once to stop there and look at the segments). On a CUDA backend the allocations are
+/// real (no kernels run).
+pub fn replay_detailed(
+    name: &str,
+    events: &[TraceEvent],
+    config: &Config,
+    backend: &dyn Fn() -> Result<Arc<dyn Backend>>,
+) -> Result<Replay> {
     let start = Instant::now();
-    let replayed = run(events, config, capacity, |_| {})?;
+    let replayed = run(events, config, backend()?, usize::MAX, |_, _| {})?.0;
     let ns_per_event = start.elapsed().as_nanos() as f64 / replayed.max(1) as f64;
-    let mut peak = (0u64, 0u64, 0u64); // reserved, segments, largest free block
-    run(events, config, capacity, |alloc| {
+
+    let mut peak = (0u64, 0u64, 0usize); // reserved, segments, event index
+    let mut timeline = Vec::with_capacity(events.len());
+    let mut live = 0u64;
+    let (_, stats, backend_name) = run(events, config, backend()?, usize::MAX, |alloc, i| {
         let s = alloc.stats();
+        let e = &events[i];
+        match e.action {
+            Action::Alloc => live += e.size,
+            _ => live = live.saturating_sub(e.size),
+        }
+        timeline.push((e.time_us, live, s.reserved_bytes.all.current));
         if s.reserved_bytes.all.current > peak.0 {
-            let largest = alloc
-                .segments()
-                .iter()
-                .flat_map(|s| s.blocks.iter())
-                .filter(|b| !b.active)
-                .map(|b| b.size)
-                .max()
-                .unwrap_or(0);
-            peak = (s.reserved_bytes.all.current, s.segment.all.current, largest);
+            peak = (s.reserved_bytes.all.current, s.segment.all.current, i);
         }
     })?;
+    let mut at_peak = (0u64, Vec::new());
+    if peak.0 > 0 {
+        run(events, config, backend()?, peak.2, |alloc, i| {
+            if i == peak.2 {
+                at_peak = (alloc.largest_free_block(), alloc.segments());
+            }
+        })?;
+    }
     let peak_live = recorded(events).peak_live_bytes;
-    Ok(PolicyReport {
-        name: name.to_string(),
-        peak_live_bytes: peak_live,
-        peak_reserved_bytes: peak.0,
-        ratio: ratio(peak.0, peak_live),
-        segments_at_peak: peak.1,
-        largest_free_block_at_peak: peak.2,
-        ns_per_event,
+    Ok(Replay {
+        report: PolicyReport {
+            name: name.to_string(),
+            backend: backend_name,
+            peak_live_bytes: peak_live,
+            peak_reserved_bytes: peak.0,
+            ratio: ratio(peak.0, peak_live),
+            segments_at_peak: peak.1,
+            largest_free_block_at_peak: at_peak.0,
+            ns_per_event,
+            device_calls: stats.num_device_alloc + stats.num_device_free,
+            unmap_syncs: stats.num_unmap_syncs,
+        },
+        segments_at_peak: at_peak.1,
+        timeline,
     })
 }
 
-/// Replay the demand; `after_alloc` runs after every allocation. Returns the events replayed.
+/// Replay the demand up to and including event `stop`; `after` runs after every replayed
+/// allocation and free with the event's index. Returns the events replayed, the final
+/// statistics and the backend's name. Blocks still live at the end are freed.
 fn run(
     events: &[TraceEvent],
     config: &Config,
-    capacity: u64,
-    mut after_alloc: impl FnMut(&CachingAllocator),
-) -> Result<u64> {
+    backend: Arc<dyn Backend>,
+    stop: usize,
+    mut after: impl FnMut(&CachingAllocator, usize),
+) -> Result<(u64, crate::Stats, String)> {
     let mut config = config.clone();
     config.shards = Some(1);
-    let alloc = CachingAllocator::new(Arc::new(SimulatedDevice::new(capacity)), config)?;
+    let backend_name = backend.name().to_string();
+    let alloc = CachingAllocator::new(backend, config)?;
     let mut live: FxHashMap<u64, Allocation> = FxHashMap::default();
     let mut replayed = 0u64;
-    for (i, e) in events.iter().enumerate() {
+    let mut result = Ok(());
+    for (i, e) in events.iter().enumerate().take(stop.saturating_add(1)) {
         let n = i + 1;
         match e.action {
             Action::Alloc => {
-                let a = alloc
-                    .allocate(Stream(e.stream), e.size.max(1) as usize, 512)
-                    .map_err(|err| {
-                        Error::Trace(format!("event {n}: alloc of {} bytes: {err}", e.size))
-                    })?;
-                after_alloc(&alloc);
+                let a = match alloc.allocate(Stream(e.stream), e.size.max(1) as usize, 512) {
+                    Ok(a) => a,
+                    Err(err) => {
+                        result = Err(Error::Trace(format!(
+                            "event {n}: alloc of {} bytes: {err}",
+                            e.size
+                        )));
+                        break;
+                    }
+                };
                 if let Some(old) = live.insert(e.addr, a) {
                     alloc.deallocate(old)?;
-                    return Err(Error::Trace(format!(
+                    result = Err(Error::Trace(format!(
                         "event {n}: alloc at {:#x}, which is already live",
                         e.addr
                     )));
+                    break;
                 }
             }
             Action::FreeCompleted => {
-                let a = live.remove(&e.addr).ok_or_else(|| {
-                    Error::Trace(format!("event {n}: free of unknown address {:#x}", e.addr))
-                })?;
+                let Some(a) = live.remove(&e.addr) else {
+                    result = Err(Error::Trace(format!(
+                        "event {n}: free of unknown address {:#x}",
+                        e.addr
+                    )));
+                    break;
+                };
                 alloc.deallocate(a)?;
             }
             _ => continue,
         }
+        after(&alloc, i);
         replayed += 1;
     }
-    Ok(replayed)
+    let stats = alloc.stats();
+    for (_, a) in live {
+        alloc.deallocate(a)?;
+    }
+    result.map(|()| (replayed, stats, backend_name))
 }

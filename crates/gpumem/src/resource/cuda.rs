@@ -1,6 +1,7 @@
-//! CUDA resources: device memory (cuMemAlloc) and a stream-ordered pool
-//! (cuMemAllocFromPoolAsync). Both use the device's primary context, shared with PyTorch,
-//! CuPy and cudarc in the same process. This is the FFI edge: every `unsafe` block is a
+//! CUDA resources: device memory (cuMemAlloc, and virtual-memory segments through
+//! cuMemAddressReserve / cuMemCreate / cuMemMap where the device supports them) and a
+//! stream-ordered pool (cuMemAllocFromPoolAsync). Both use the device's primary context, shared
+//! with PyTorch, CuPy and cudarc in the same process. This is the FFI edge: every `unsafe` block is a
 //! driver call on handles this module owns.
 
 use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream};
@@ -185,20 +186,96 @@ macro_rules! cuda_stream_ops {
     };
 }
 
-/// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator).
+/// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator), and
+/// virtual-memory pages (one cuMemCreate handle per page of the allocation granularity, so
+/// that pages unmap one by one).
 #[derive(Debug)]
 pub struct CudaDevice {
     ops: CudaOps,
     ordinal: usize,
+    /// allocation granularity, where the device has virtual-memory management
+    page: Option<u64>,
+    /// physical handle of every mapped page, by address
+    handles: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, u64>>,
+}
+
+fn alloc_prop(ordinal: usize) -> sys::CUmemAllocationProp {
+    // SAFETY: an all-zero CUmemAllocationProp is the documented default; fields set below.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    prop.location = device_location(ordinal);
+    prop
+}
+
+/// The device's virtual-memory granularity, or `None` where it has no VMM.
+fn vmm_granularity(ordinal: usize) -> Option<u64> {
+    // SAFETY: attribute queries on a valid ordinal (checked by `primary_context`).
+    let supported = unsafe {
+        let dev = result::device::get(ordinal as i32).ok()?;
+        result::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        )
+        .ok()?
+    };
+    if supported == 0 {
+        return None;
+    }
+    let prop = alloc_prop(ordinal);
+    let mut gran = 0usize;
+    // SAFETY: `prop` is initialised and `gran` is a valid out-pointer.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()
+    .ok()?;
+    (gran > 0 && gran.is_power_of_two()).then_some(gran as u64)
 }
 
 impl CudaDevice {
     /// Device `ordinal`'s memory, on its primary context.
     pub fn new(ordinal: usize) -> Result<Self> {
+        let ops = CudaOps::new(primary_context(ordinal)?);
+        ops.bind()?;
         Ok(Self {
-            ops: CudaOps::new(primary_context(ordinal)?),
+            ops,
             ordinal,
+            page: vmm_granularity(ordinal),
+            handles: Default::default(),
         })
+    }
+
+    /// The same device with virtual-memory segments turned off (classic segments only).
+    pub fn without_vmm(mut self) -> Self {
+        self.page = None;
+        self
+    }
+
+    /// Unmap and release the pages `[addr, addr + bytes)` that are in the handle map.
+    fn unmap_pages(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let page = self.page.unwrap_or(1);
+        let mut handles = self.handles.lock();
+        let mut first_err = None;
+        let mut p = addr;
+        while p < addr + bytes {
+            if let Some(h) = handles.remove(&p) {
+                // SAFETY: `p` was mapped with handle `h` by `map`; the pool has waited for
+                // the work that used it.
+                let r = unsafe { sys::cuMemUnmap(p, page as usize) }
+                    .result()
+                    .and_then(|()| unsafe { sys::cuMemRelease(h) }.result());
+                if let Err(e) = r {
+                    first_err.get_or_insert(cuda_err("cuMemUnmap", e));
+                }
+            }
+            p += page;
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     /// The cudarc context (primary context of the device).
@@ -240,6 +317,98 @@ impl Resource for CudaDevice {
 
     fn location(&self) -> Location {
         Location::Cuda(self.ordinal)
+    }
+
+    fn vmm_page_size(&self) -> Option<u64> {
+        self.page
+    }
+
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
+        let page = self.page.ok_or_else(|| self.no_vmm())?;
+        self.ops.bind()?;
+        let mut addr: sys::CUdeviceptr = 0;
+        // SAFETY: `addr` is a valid out-pointer; reserving address space maps nothing.
+        unsafe { sys::cuMemAddressReserve(&mut addr, bytes as usize, page as usize, 0, 0) }
+            .result()
+            .map_err(|e| {
+                alloc_err(
+                    "cuMemAddressReserve",
+                    bytes as usize,
+                    "cuMemAddressReserve",
+                    e,
+                )
+            })?;
+        Ok(addr)
+    }
+
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.ops.bind()?;
+        // SAFETY: the range came from `reserve_address` and nothing is mapped in it (contract).
+        unsafe { sys::cuMemAddressFree(addr, bytes as usize) }
+            .result()
+            .map_err(|e| cuda_err("cuMemAddressFree", e))
+    }
+
+    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let page = self.page.ok_or_else(|| self.no_vmm())?;
+        if addr % page != 0 || bytes % page != 0 || bytes == 0 {
+            return Err(Error::InvalidAlignment {
+                align: page as usize,
+                max: page as usize,
+            });
+        }
+        self.ops.bind()?;
+        let prop = alloc_prop(self.ordinal);
+        let mut p = addr;
+        let mut failed = None;
+        while p < addr + bytes {
+            if self.handles.lock().contains_key(&p) {
+                failed = Some(Error::Config(format!("page {p:#x} is already mapped")));
+                break;
+            }
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: `prop` is initialised; `h` is a valid out-pointer.
+            if let Err(e) = unsafe { sys::cuMemCreate(&mut h, page as usize, &prop, 0) }.result() {
+                failed = Some(alloc_err("cuMemCreate", page as usize, "cuMemCreate", e));
+                break;
+            }
+            // SAFETY: `p` is an unmapped page of reserved address space and `h` a fresh
+            // handle of one page.
+            if let Err(e) = unsafe { sys::cuMemMap(p, page as usize, 0, h, 0) }.result() {
+                // SAFETY: `h` is unmapped and ours.
+                let _ = unsafe { sys::cuMemRelease(h) };
+                failed = Some(cuda_err("cuMemMap", e));
+                break;
+            }
+            self.handles.lock().insert(p, h);
+            p += page;
+        }
+        if failed.is_none() {
+            let access = sys::CUmemAccessDesc {
+                location: device_location(self.ordinal),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the whole range was just mapped; `access` is one valid descriptor.
+            if let Err(e) =
+                unsafe { sys::cuMemSetAccess(addr, bytes as usize, &access, 1) }.result()
+            {
+                failed = Some(cuda_err("cuMemSetAccess", e));
+            }
+        }
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                // all or nothing: undo the pages mapped by this call
+                let _ = self.unmap_pages(addr, p - addr);
+                Err(e)
+            }
+        }
+    }
+
+    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.page.ok_or_else(|| self.no_vmm())?;
+        self.ops.bind()?;
+        self.unmap_pages(addr, bytes)
     }
 }
 
