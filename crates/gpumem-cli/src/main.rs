@@ -48,6 +48,21 @@ enum Command {
         #[arg(long)]
         device: Option<usize>,
     },
+    /// Write a synthetic trace of one workload kind (variable_seq_len, kv_cache_decode,
+    /// mixed_tiny_huge, multi_stream, conv_training) as JSON Lines (gzip if the name ends in .gz).
+    Synth {
+        /// Workload kind.
+        kind: String,
+        /// Output file.
+        #[arg(short, long)]
+        output: std::path::PathBuf,
+        /// Seed.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Multiplies the number of steps.
+        #[arg(long, default_value_t = 1)]
+        scale: usize,
+    },
     /// Draw a trace: memory timeline and segment map at the peak, as one self-contained HTML
     /// file.
     Viz {
@@ -394,6 +409,18 @@ fn replay_on_device(
     ))
 }
 
+fn synth(kind: &str, output: &std::path::Path, seed: u64, scale: usize) -> Result<(), String> {
+    use gpumem::workload::synthetic::Kind;
+    let k = Kind::from_name(kind).ok_or_else(|| {
+        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+        format!("unknown workload `{kind}` (known: {})", names.join(", "))
+    })?;
+    let events = k.generate(seed, scale);
+    gpumem::trace::write_trace(output, &events).map_err(|e| e.to_string())?;
+    eprintln!("wrote {} ({} events)", output.display(), events.len());
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
@@ -404,6 +431,12 @@ fn main() -> ExitCode {
             json,
             device,
         } => replay(&traces, &conf, json, device),
+        Command::Synth {
+            kind,
+            output,
+            seed,
+            scale,
+        } => synth(&kind, &output, seed, scale),
         Command::Viz {
             trace,
             output,

@@ -14,7 +14,7 @@ use crate::resource::{Backend, Stream};
 use crate::{Allocation, CachingAllocator};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -71,6 +71,33 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceEvent>> {
         Box::new(reader)
     };
     parse_trace(&name, BufReader::new(reader))
+}
+
+/// Write `events` as JSON Lines to `path`, gzip-compressed when the name ends in `.gz`.
+pub fn write_trace(path: &Path, events: &[TraceEvent]) -> Result<()> {
+    let name = path.display().to_string();
+    let file = std::fs::File::create(path).map_err(|e| bad(&name, 0, e))?;
+    let err = |e: std::io::Error| bad(&name, 0, e);
+    if name.ends_with(".gz") {
+        let mut gz =
+            flate2::write::GzEncoder::new(BufWriter::new(file), flate2::Compression::default());
+        write_events(&mut gz, events).map_err(err)?;
+        gz.finish().map_err(err)?.flush().map_err(err)?;
+    } else {
+        let mut out = BufWriter::new(file);
+        write_events(&mut out, events).map_err(err)?;
+        out.flush().map_err(err)?;
+    }
+    Ok(())
+}
+
+/// Write `events` as JSON Lines.
+pub fn write_events(out: &mut dyn Write, events: &[TraceEvent]) -> std::io::Result<()> {
+    for e in events {
+        serde_json::to_writer(&mut *out, e)?;
+        out.write_all(b"\n")?;
+    }
+    Ok(())
 }
 
 /// Parse JSON Lines from `reader`; `name` labels errors (with line numbers).

@@ -108,3 +108,60 @@ fn truncated_gzip_is_an_error_not_a_panic() {
     ));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// gpumem's default policy keeps peak reserved within 2% of peak live bytes on every workload
+/// kind: both real PyTorch traces and each synthetic pattern.
+#[test]
+fn default_policy_reaches_1_02_on_every_workload_kind() {
+    use gpumem::workload::synthetic::Kind;
+    let classic = Config::parse("expandable_segments:False").unwrap();
+    let mut workloads: Vec<(String, Vec<gpumem::trace::TraceEvent>)> = Vec::new();
+    for name in ["gpt_train.jsonl.gz", "resnet50_train.jsonl.gz"] {
+        workloads.push((name.into(), read_trace(&data(name)).unwrap()));
+    }
+    for kind in Kind::ALL {
+        workloads.push((kind.name().into(), kind.generate(7, 1)));
+    }
+    for (name, events) in &workloads {
+        let ours = replay("gpumem", events, &Config::default(), TIB).unwrap();
+        let old = replay("classic", events, &classic, TIB).unwrap();
+        println!(
+            "{name:<26} {:>7} events  gpumem {:.3}  classic segments {:.3}  peak live {:.2} GiB",
+            events.len(),
+            ours.ratio,
+            old.ratio,
+            ours.peak_live_bytes as f64 / (1u64 << 30) as f64
+        );
+        assert!(
+            ours.ratio >= 1.0 && ours.ratio <= 1.02,
+            "{name}: {}",
+            ours.ratio
+        );
+        assert!(
+            ours.ratio <= old.ratio + 1e-9,
+            "{name}: {} > {}",
+            ours.ratio,
+            old.ratio
+        );
+    }
+}
+
+#[test]
+fn synthetic_traces_are_deterministic_and_well_formed() {
+    use gpumem::workload::synthetic::Kind;
+    for kind in Kind::ALL {
+        let a = kind.generate(3, 1);
+        assert_eq!(a, kind.generate(3, 1), "{}", kind.name());
+        assert_ne!(a, kind.generate(4, 1), "{}", kind.name());
+        let mut live = std::collections::HashSet::new();
+        for e in &a {
+            match e.action {
+                Action::Alloc => assert!(live.insert(e.addr)),
+                Action::FreeCompleted => assert!(live.remove(&e.addr)),
+                _ => panic!("unexpected {:?}", e.action),
+            }
+        }
+        assert!(live.is_empty(), "{}: everything is freed", kind.name());
+        assert_eq!(Kind::from_name(kind.name()), Some(kind));
+    }
+}

@@ -49,6 +49,9 @@ pub const MAX_ALIGN: usize = MIN_BLOCK as usize;
 const NIL: u32 = u32::MAX;
 /// How many same-stream candidates a cross-stream search looks at per stream.
 const STEAL_SCAN: usize = 32;
+/// How many best-fitting free blocks of an expandable segment are checked for one whose pages
+/// are all mapped.
+const MAPPED_FIT_SCAN: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -106,6 +109,8 @@ struct Pages {
     mapped: u64,
     /// no page at or above this one has ever been mapped (bounds the scans)
     high: u64,
+    /// pool tick at which each page (below `high`) was last part of a block being freed
+    freed: Vec<u64>,
 }
 
 impl Pages {
@@ -114,6 +119,7 @@ impl Pages {
             bits: vec![0; n.div_ceil(64) as usize],
             mapped: 0,
             high: 0,
+            freed: Vec::new(),
         }
     }
 
@@ -137,6 +143,22 @@ impl Pages {
         } else {
             self.mapped -= n;
         }
+    }
+
+    fn freed_at(&self, p: u64) -> u64 {
+        self.freed.get(p as usize).copied().unwrap_or(0)
+    }
+
+    /// Mark pages `[from, to)` as freed at `tick`.
+    fn mark_freed(&mut self, from: u64, to: u64, tick: u64) {
+        let to = to.min(self.high);
+        if from >= to {
+            return;
+        }
+        if self.freed.len() < to as usize {
+            self.freed.resize(self.high as usize, 0);
+        }
+        self.freed[from as usize..to as usize].fill(tick);
     }
 
     /// Runs `(first, count)` of pages in `[from, to)` that are mapped (`want`) or not.
@@ -272,6 +294,8 @@ pub struct CachingPool {
     tick: u64,
     /// highest allocated bytes seen when mapping pages (expandable segments)
     peak_allocated: u64,
+    /// per stream: (stream, highest free tick known idle, outstanding checkpoint event, its tick)
+    checkpoints: Vec<(Stream, u64, Option<Event>, u64)>,
 }
 
 impl std::fmt::Debug for CachingPool {
@@ -322,6 +346,7 @@ impl CachingPool {
             stats: HotStats::default(),
             tick: 0,
             peak_allocated: 0,
+            checkpoints: Vec::new(),
         }
     }
 
@@ -638,12 +663,15 @@ impl CachingPool {
     }
 
     /// Unmap up to about `want` bytes of pages lying wholly inside free blocks of expandable
-    /// segments, those of `stream` first and the highest addresses first, after waiting for the
-    /// segment's stream. Returns the bytes unmapped.
+    /// segments, those of `stream` first and the highest addresses first. Unmapping is
+    /// immediate, so no queued work may still touch a page: pages freed before the owner
+    /// stream's last completed checkpoint event go first (no waiting); then a fresh checkpoint
+    /// is recorded and, if the stream has already caught up, more pages are safe; only then
+    /// does the pool wait for the stream. Returns the bytes unmapped.
     fn reclaim_pages(&mut self, stream: Stream, want: u64) -> u64 {
-        let Some(page) = self.policy.page else {
+        if self.policy.page.is_none() || want == 0 {
             return 0;
-        };
+        }
         self.flush_quick();
         let mut order: Vec<u32> = self
             .segment_index
@@ -653,69 +681,148 @@ impl CachingPool {
             .collect();
         order.sort_by_key(|&s| self.segments[s as usize].stream != stream);
         let mut got = 0u64;
-        let mut synced: Vec<Stream> = Vec::new();
         for seg in order {
             if got >= want {
                 break;
             }
-            let (base, owner) = {
-                let s = &self.segments[seg as usize];
-                (s.addr, s.stream)
-            };
-            // free blocks of the segment, in address order
-            let mut free = Vec::new();
-            let mut id = self.segments[seg as usize].head;
-            while id != NIL {
-                let b = &self.blocks[id as usize];
-                if b.state == State::Free {
-                    free.push((b.addr, b.size));
-                }
-                id = b.next;
+            let owner = self.segments[seg as usize].stream;
+            // 1: pages known to be idle
+            let safe = self.safe_tick(owner);
+            let runs = self.free_mapped_runs(seg, want - got, safe);
+            got += self.unmap_runs(seg, runs);
+            if got >= want {
+                break;
             }
-            let mut runs: Vec<(u64, u64)> = Vec::new();
-            let mut take = want - got;
-            for &(addr, size) in free.iter().rev() {
-                if take == 0 {
-                    break;
-                }
-                let first = (addr - base).div_ceil(page);
-                let end = (addr + size - base) / page;
-                if first >= end {
-                    continue;
-                }
-                let pages = self.segments[seg as usize]
-                    .pages
-                    .as_ref()
-                    .expect("expandable");
-                for (f, n) in pages.runs(first, end, true).into_iter().rev() {
-                    let k = n.min(take.div_ceil(page));
-                    runs.push((f + n - k, k));
-                    take = take.saturating_sub(k * page);
-                    if take == 0 {
-                        break;
-                    }
-                }
-            }
-            if runs.is_empty() {
+            if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
                 continue;
             }
-            if !synced.contains(&owner) {
-                // unmapping is immediate: the stream's queued work must not touch these pages
-                if let Err(e) = self.backend.synchronize(owner) {
-                    tracing::warn!("gpumem: cannot synchronize before unmapping: {e}");
-                    continue;
-                }
-                self.stats.num_unmap_syncs += 1;
-                synced.push(owner);
+            // 2: a fresh checkpoint, complete at once if the stream is idle
+            self.checkpoint(owner);
+            let safe = self.safe_tick(owner);
+            let runs = self.free_mapped_runs(seg, want - got, safe);
+            got += self.unmap_runs(seg, runs);
+            if got >= want {
+                break;
             }
-            for (first, n) in runs {
-                match self.backend.unmap(base + first * page, n * page) {
-                    Ok(()) => {
-                        self.note_mapped(seg, first, n, false);
-                        got += n * page;
+            // 3: wait for the stream, if that makes more pages free
+            if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
+                continue;
+            }
+            if let Err(e) = self.backend.synchronize(owner) {
+                tracing::warn!("gpumem: cannot synchronize before unmapping: {e}");
+                continue;
+            }
+            self.stats.num_unmap_syncs += 1;
+            self.set_safe(owner, self.tick);
+            let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
+            got += self.unmap_runs(seg, runs);
+        }
+        got
+    }
+
+    /// The highest free tick known to be idle on `stream` (after polling its checkpoint).
+    fn safe_tick(&mut self, stream: Stream) -> u64 {
+        let Some(i) = self.checkpoints.iter().position(|c| c.0 == stream) else {
+            return 0;
+        };
+        if let (Some(ev), tick) = (self.checkpoints[i].2, self.checkpoints[i].3) {
+            if self.backend.event_done(ev).unwrap_or(false) {
+                self.backend.destroy_event(ev);
+                let c = &mut self.checkpoints[i];
+                c.2 = None;
+                c.1 = c.1.max(tick);
+            }
+        }
+        self.checkpoints[i].1
+    }
+
+    fn set_safe(&mut self, stream: Stream, tick: u64) {
+        match self.checkpoints.iter_mut().find(|c| c.0 == stream) {
+            Some(c) => c.1 = c.1.max(tick),
+            None => self.checkpoints.push((stream, tick, None, 0)),
+        }
+    }
+
+    /// Record a checkpoint event on `stream` unless one is outstanding.
+    fn checkpoint(&mut self, stream: Stream) {
+        self.safe_tick(stream); // retire a completed one first
+        let tick = self.tick;
+        let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
+            Some(i) => i,
+            None => {
+                self.checkpoints.push((stream, 0, None, 0));
+                self.checkpoints.len() - 1
+            }
+        };
+        if self.checkpoints[i].2.is_none() {
+            if let Ok(ev) = self.backend.record_event(stream) {
+                self.checkpoints[i].2 = Some(ev);
+                self.checkpoints[i].3 = tick;
+            }
+        }
+    }
+
+    /// Runs of mapped pages lying wholly inside free blocks of `seg` and last freed at or
+    /// before `max_tick`, highest first, about `want` bytes.
+    fn free_mapped_runs(&self, seg: u32, want: u64, max_tick: u64) -> Vec<(u64, u64)> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let s = &self.segments[seg as usize];
+        let Some(pages) = &s.pages else {
+            return Vec::new();
+        };
+        let mut free = Vec::new();
+        let mut id = s.head;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if b.state == State::Free {
+                free.push((b.addr, b.size));
+            }
+            id = b.next;
+        }
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut take = want;
+        'blocks: for &(addr, size) in free.iter().rev() {
+            let first = (addr - s.addr).div_ceil(page);
+            let end = (addr + size - s.addr) / page;
+            if first >= end {
+                continue;
+            }
+            for (f, n) in pages.runs(first, end, true).into_iter().rev() {
+                // the run minus pages freed after `max_tick`, from the top
+                let mut p = f + n;
+                while p > f && take > 0 {
+                    while p > f && pages.freed_at(p - 1) > max_tick {
+                        p -= 1;
                     }
-                    Err(e) => tracing::warn!("gpumem: unmapping pages failed: {e}"),
+                    let hi = p;
+                    while p > f && take > 0 && pages.freed_at(p - 1) <= max_tick {
+                        p -= 1;
+                        take = take.saturating_sub(page);
+                    }
+                    if p < hi {
+                        runs.push((p, hi - p));
+                    }
                 }
+                if take == 0 {
+                    break 'blocks;
+                }
+            }
+        }
+        runs
+    }
+
+    /// Unmap `runs` of `seg`; returns the bytes unmapped.
+    fn unmap_runs(&mut self, seg: u32, runs: Vec<(u64, u64)>) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let base = self.segments[seg as usize].addr;
+        let mut got = 0;
+        for (first, n) in runs {
+            match self.backend.unmap(base + first * page, n * page) {
+                Ok(()) => {
+                    self.note_mapped(seg, first, n, false);
+                    got += n * page;
+                }
+                Err(e) => tracing::warn!("gpumem: unmapping pages failed: {e}"),
             }
         }
         got
@@ -744,12 +851,38 @@ impl CachingPool {
 
     fn best_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
         let slot = self.slot_of(stream)?;
+        if self.policy.page.is_some() {
+            let id = self.best_mapped_fit(slot, size, kind)?;
+            self.leave_free(id);
+            return Some(id);
+        }
         let (bsize, _, id) = self.free[slot][kind as usize].best_fit(size)?;
         if !self.fits(size, bsize) {
             return None;
         }
         self.leave_free(id);
         Some(id)
+    }
+
+    /// Expandable segments: among the few best-fitting free blocks, the first whose start
+    /// `size` bytes are all mapped (served with no driver call), else the best fit.
+    fn best_mapped_fit(&self, slot: usize, size: u64, kind: PoolKind) -> Option<u32> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let mut first = None;
+        for (_, addr, id) in self.free[slot][kind as usize]
+            .at_least(size)
+            .take(MAPPED_FIT_SCAN)
+        {
+            first.get_or_insert(id);
+            let s = &self.segments[self.blocks[id as usize].segment as usize];
+            if let Some(p) = &s.pages {
+                let (lo, hi) = (addr - s.addr, addr + size - s.addr);
+                if p.next_with(lo / page, hi.div_ceil(page), false) >= hi.div_ceil(page) {
+                    return Some(id);
+                }
+            }
+        }
+        first
     }
 
     /// Take a wholly free segment another stream cached, ordered behind that stream's work.
@@ -1048,6 +1181,21 @@ impl CachingPool {
 
     /// Put a block that is neither free nor quick into its free set, coalescing neighbours.
     fn free_block(&mut self, id: u32) {
+        self.tick += 1;
+        if self.policy.page.is_some() {
+            let page = self.policy.page.unwrap_or(MIN_BLOCK);
+            let b = &self.blocks[id as usize];
+            let (addr, size, tick) = (b.addr, b.size, self.tick);
+            let s = &mut self.segments[b.segment as usize];
+            let base = s.addr;
+            if let Some(p) = s.pages.as_mut() {
+                p.mark_freed(
+                    (addr - base) / page,
+                    (addr + size - base).div_ceil(page),
+                    tick,
+                );
+            }
+        }
         let mut id = id;
         let (prev, stream) = {
             let b = &self.blocks[id as usize];
@@ -1075,7 +1223,6 @@ impl CachingPool {
                 self.blocks[n.next as usize].prev = id;
             }
         }
-        self.tick += 1;
         let seg = self.blocks[id as usize].segment;
         self.segments[seg as usize].last_used = self.tick;
         self.enter_free(id);
@@ -1577,6 +1724,9 @@ impl Drop for CachingPool {
         for e in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {
             let _ = self.backend.sync_event(*e);
             self.backend.destroy_event(*e);
+        }
+        for ev in self.checkpoints.iter().filter_map(|c| c.2) {
+            self.backend.destroy_event(ev);
         }
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let mut synced: Vec<Stream> = Vec::new();

@@ -61,3 +61,5 @@ impl RandomLive {
         }
     }
 }
+
+pub mod synthetic;
