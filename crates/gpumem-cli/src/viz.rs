@@ -65,8 +65,10 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
     let (mut rec_reserved, mut idx) = (0u64, 0usize);
     for e in events {
         match e.action {
-            Action::SegmentAlloc => rec_reserved += e.size,
-            Action::SegmentFree => rec_reserved = rec_reserved.saturating_sub(e.size),
+            Action::SegmentAlloc | Action::SegmentMap => rec_reserved += e.size,
+            Action::SegmentFree | Action::SegmentUnmap => {
+                rec_reserved = rec_reserved.saturating_sub(e.size)
+            }
             Action::Alloc => {
                 open.insert(e.addr, lives.len());
                 lives.push(Life {
@@ -84,7 +86,7 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
                 recorded.push(rec_reserved);
                 idx += 1;
             }
-            Action::FreeRequested => {}
+            Action::FreeRequested | Action::Snapshot | Action::Oom => {}
         }
     }
     let n = replay.timeline.len().max(1);

@@ -320,6 +320,32 @@ impl CachingAllocator {
         memory_summary(&title, &self.stats())
     }
 
+    /// Start recording allocator events (allocations, frees, segments and page maps) on every
+    /// shard, in the JSON Lines trace format ([`crate::trace`]); an earlier recording is
+    /// dropped. While off, recording costs one branch per call.
+    pub fn start_recording(&self) {
+        let start = std::time::Instant::now();
+        for j in 0..self.inner.shards.len() {
+            self.shard(j).start_recording(start);
+        }
+    }
+
+    /// Stop recording and return the events of all shards in time order.
+    pub fn stop_recording(&self) -> Vec<crate::trace::TraceEvent> {
+        let mut all: Vec<(u64, usize, crate::trace::TraceEvent)> = Vec::new();
+        for j in 0..self.inner.shards.len() {
+            let events = self.shard(j).stop_recording();
+            all.extend(
+                events
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (ns, e))| (ns, i, e)),
+            );
+        }
+        all.sort_by_key(|&(ns, i, _)| (ns, i));
+        all.into_iter().map(|(_, _, e)| e).collect()
+    }
+
     /// Largest free cached block over all shards (see [`CachingPool::largest_free_block`]).
     pub fn largest_free_block(&self) -> u64 {
         (0..self.inner.shards.len())

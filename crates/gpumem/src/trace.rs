@@ -4,8 +4,12 @@
 //!
 //! Each line: `{"action": ..., "addr": ..., "size": ..., "stream": ..., "time_us": ...}` with
 //! `action` one of `alloc`, `free_requested`, `free_completed`, `segment_alloc`,
-//! `segment_free`. The demand is `alloc` / `free_completed`; the `segment_*` events are what the
-//! recording allocator reserved.
+//! `segment_free`, `segment_map`, `segment_unmap` (expandable segments), `snapshot`, `oom`.
+//! The demand is `alloc` / `free_completed`; the `segment_*` events are what the recording
+//! allocator reserved.
+//!
+//! [`read_trace`] also reads PyTorch's own snapshot files
+//! (`torch.cuda.memory._dump_snapshot(...)` pickles): the events of their `device_traces`.
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -33,6 +37,31 @@ pub enum Action {
     SegmentAlloc,
     /// the allocator returned a segment
     SegmentFree,
+    /// pages were mapped into an expandable segment (`size` bytes)
+    SegmentMap,
+    /// pages were unmapped from an expandable segment
+    SegmentUnmap,
+    /// a memory snapshot was taken (PyTorch)
+    Snapshot,
+    /// the allocator reported out of memory (PyTorch)
+    Oom,
+}
+
+impl Action {
+    fn from_name(s: &str) -> Option<Action> {
+        Some(match s {
+            "alloc" => Action::Alloc,
+            "free_requested" => Action::FreeRequested,
+            "free_completed" => Action::FreeCompleted,
+            "segment_alloc" => Action::SegmentAlloc,
+            "segment_free" => Action::SegmentFree,
+            "segment_map" => Action::SegmentMap,
+            "segment_unmap" => Action::SegmentUnmap,
+            "snapshot" => Action::Snapshot,
+            "oom" => Action::Oom,
+            _ => return None,
+        })
+    }
 }
 
 /// One trace event.
@@ -50,21 +79,49 @@ pub struct TraceEvent {
     /// microseconds, monotonic
     #[serde(default)]
     pub time_us: u64,
+    /// line (JSON Lines) or entry (pickle) the event was read from; 0 if made in memory
+    #[serde(skip)]
+    pub line: u32,
+}
+
+impl TraceEvent {
+    /// An event made in memory.
+    pub fn new(action: Action, addr: u64, size: u64, stream: u64, time_us: u64) -> Self {
+        Self {
+            action,
+            addr,
+            size,
+            stream,
+            time_us,
+            line: 0,
+        }
+    }
+
+    /// "line N" where the event was read from a file, else "event N" (1-based `index`).
+    fn place(&self, index: usize) -> String {
+        if self.line > 0 {
+            format!("line {}", self.line)
+        } else {
+            format!("event {}", index + 1)
+        }
+    }
 }
 
 fn bad(path: &str, line: usize, what: impl std::fmt::Display) -> Error {
     Error::Trace(format!("{path}:{line}: {what}"))
 }
 
-/// Read a trace from a `.jsonl` or `.jsonl.gz` file (gzip is detected from its magic bytes).
+/// Read a trace: JSON Lines, plain or gzip-compressed, or a PyTorch snapshot pickle (the
+/// format is detected from the first bytes).
 pub fn read_trace(path: &Path) -> Result<Vec<TraceEvent>> {
     let name = path.display().to_string();
     let file = std::fs::File::open(path).map_err(|e| bad(&name, 0, e))?;
     let mut reader = BufReader::new(file);
-    let gz = reader
-        .fill_buf()
-        .map(|b| b.starts_with(&[0x1f, 0x8b]))
-        .unwrap_or(false);
+    let head = reader.fill_buf().map(|b| b.to_vec()).unwrap_or_default();
+    if head.len() >= 2 && head[0] == 0x80 && (2..=5).contains(&head[1]) {
+        return read_pickle(&name, reader);
+    }
+    let gz = head.starts_with(&[0x1f, 0x8b]);
     let reader: Box<dyn Read> = if gz {
         Box::new(flate2::read::MultiGzDecoder::new(reader))
     } else {
@@ -109,8 +166,72 @@ pub fn parse_trace(name: &str, reader: impl BufRead) -> Result<Vec<TraceEvent>> 
         if line.trim().is_empty() {
             continue;
         }
-        let ev: TraceEvent = serde_json::from_str(&line).map_err(|e| bad(name, n, e))?;
+        let mut ev: TraceEvent = serde_json::from_str(&line).map_err(|e| bad(name, n, e))?;
+        ev.line = n as u32;
         events.push(ev);
+    }
+    Ok(events)
+}
+
+/// Read the `device_traces` of a PyTorch memory snapshot pickle (`_dump_snapshot`): the events
+/// of the first device that has any.
+pub fn read_pickle(name: &str, reader: impl Read) -> Result<Vec<TraceEvent>> {
+    use serde_pickle::{DeOptions, HashableValue as K, Value as V};
+    let opts = DeOptions::new().replace_unresolved_globals();
+    let root = serde_pickle::value_from_reader(reader, opts)
+        .map_err(|e| Error::Trace(format!("{name}: not a readable pickle: {e}")))?;
+    let key = |k: &str| K::String(k.to_string());
+    let V::Dict(top) = root else {
+        return Err(Error::Trace(format!(
+            "{name}: a snapshot pickle holds a dict"
+        )));
+    };
+    let Some(V::List(devices)) = top.get(&key("device_traces")) else {
+        return Err(Error::Trace(format!(
+            "{name}: no `device_traces` (record with torch.cuda.memory._record_memory_history)"
+        )));
+    };
+    let Some(V::List(entries)) = devices
+        .iter()
+        .find(|d| matches!(d, V::List(l) if !l.is_empty()))
+        .or(devices.first())
+    else {
+        return Ok(Vec::new());
+    };
+    let int = |d: &std::collections::BTreeMap<K, V>, k: &str, n: usize| -> Result<Option<u64>> {
+        match d.get(&key(k)) {
+            None | Some(V::None) => Ok(None),
+            Some(V::I64(v)) if *v >= 0 => Ok(Some(*v as u64)),
+            Some(V::Bool(b)) => Ok(Some(*b as u64)),
+            Some(V::Int(big)) => big
+                .to_string()
+                .parse::<u64>()
+                .map(Some)
+                .map_err(|_| Error::Trace(format!("{name}: entry {n}: `{k}` out of range"))),
+            Some(other) => Err(Error::Trace(format!(
+                "{name}: entry {n}: `{k}` is {other:?}, not a non-negative integer"
+            ))),
+        }
+    };
+    let mut events = Vec::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        let n = i + 1;
+        let V::Dict(d) = e else {
+            return Err(Error::Trace(format!("{name}: entry {n} is not a dict")));
+        };
+        let action = match d.get(&key("action")) {
+            Some(V::String(a)) => Action::from_name(a)
+                .ok_or_else(|| Error::Trace(format!("{name}: entry {n}: unknown action `{a}`")))?,
+            _ => return Err(Error::Trace(format!("{name}: entry {n}: no action"))),
+        };
+        events.push(TraceEvent {
+            action,
+            addr: int(d, "addr", n)?.unwrap_or(0),
+            size: int(d, "size", n)?.unwrap_or(0),
+            stream: int(d, "stream", n)?.unwrap_or(0),
+            time_us: int(d, "time_us", n)?.unwrap_or(0),
+            line: n as u32,
+        });
     }
     Ok(events)
 }
@@ -166,7 +287,19 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
                 segs = segs.saturating_sub(1);
                 calls += 1;
             }
-            Action::FreeRequested => {}
+            Action::SegmentMap => {
+                reserved += e.size;
+                calls += 1;
+                if reserved > peak_reserved {
+                    peak_reserved = reserved;
+                    segs_at_peak = segs;
+                }
+            }
+            Action::SegmentUnmap => {
+                reserved = reserved.saturating_sub(e.size);
+                calls += 1;
+            }
+            Action::FreeRequested | Action::Snapshot | Action::Oom => {}
         }
     }
     PolicyReport {
@@ -292,14 +425,14 @@ fn run(
     let mut replayed = 0u64;
     let mut result = Ok(());
     for (i, e) in events.iter().enumerate().take(stop.saturating_add(1)) {
-        let n = i + 1;
         match e.action {
             Action::Alloc => {
                 let a = match alloc.allocate(Stream(e.stream), e.size.max(1) as usize, 512) {
                     Ok(a) => a,
                     Err(err) => {
                         result = Err(Error::Trace(format!(
-                            "event {n}: alloc of {} bytes: {err}",
+                            "{}: alloc of {} bytes: {err}",
+                            e.place(i),
                             e.size
                         )));
                         break;
@@ -308,7 +441,8 @@ fn run(
                 if let Some(old) = live.insert(e.addr, a) {
                     alloc.deallocate(old)?;
                     result = Err(Error::Trace(format!(
-                        "event {n}: alloc at {:#x}, which is already live",
+                        "{}: alloc at {:#x}, which is already live",
+                        e.place(i),
                         e.addr
                     )));
                     break;
@@ -317,7 +451,8 @@ fn run(
             Action::FreeCompleted => {
                 let Some(a) = live.remove(&e.addr) else {
                     result = Err(Error::Trace(format!(
-                        "event {n}: free of unknown address {:#x}",
+                        "{}: free of unknown address {:#x}",
+                        e.place(i),
                         e.addr
                     )));
                     break;

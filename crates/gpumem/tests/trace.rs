@@ -85,9 +85,100 @@ fn malformed_traces_are_errors_with_line_numbers() {
     let e = replay("gpumem", &ev, &Config::default(), TIB).unwrap_err();
     assert!(
         e.to_string()
-            .contains("event 1: free of unknown address 0x1000"),
+            .contains("line 1: free of unknown address 0x1000"),
         "{e}"
     );
+    // an unknown action names it
+    let text = format!("{}\n{}", line("alloc", "8"), line("explode", "8"));
+    let e = parse_trace("t", text.as_bytes()).unwrap_err().to_string();
+    assert!(e.contains("explode") && e.contains("t:2:"), "{e}");
+}
+
+#[test]
+fn pickles_with_bad_entries_are_errors_naming_the_entry() {
+    use serde_pickle::{HashableValue as K, Value as V};
+    let entry = |action: &str, size: i64| {
+        let mut d = std::collections::BTreeMap::new();
+        d.insert(K::String("action".into()), V::String(action.into()));
+        d.insert(K::String("addr".into()), V::I64(4096));
+        d.insert(K::String("size".into()), V::I64(size));
+        d.insert(K::String("frames".into()), V::List(vec![]));
+        V::Dict(d)
+    };
+    let snapshot = |entries: Vec<V>| {
+        let mut top = std::collections::BTreeMap::new();
+        top.insert(K::String("segments".into()), V::List(vec![]));
+        top.insert(
+            K::String("device_traces".into()),
+            V::List(vec![V::List(entries)]),
+        );
+        serde_pickle::value_to_vec(&V::Dict(top), Default::default()).unwrap()
+    };
+    let ok = snapshot(vec![entry("alloc", 100), entry("free_completed", 100)]);
+    let ev = gpumem::trace::read_pickle("p", &ok[..]).unwrap();
+    assert_eq!(ev.len(), 2);
+    assert_eq!(
+        (ev[0].action, ev[0].size, ev[1].line),
+        (Action::Alloc, 100, 2)
+    );
+    let e =
+        gpumem::trace::read_pickle("p", &snapshot(vec![entry("alloc", 1), entry("zap", 1)])[..])
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("entry 2") && e.contains("zap"), "{e}");
+    let e = gpumem::trace::read_pickle("p", &snapshot(vec![entry("alloc", -5)])[..])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("entry 1") && e.contains("size"), "{e}");
+    let e = gpumem::trace::read_pickle("p", &ok[..ok.len() - 3])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a readable pickle"), "{e}");
+}
+
+/// gpumem records its own events; the recording replays to the same reserved peak, and
+/// survives a JSON Lines round trip.
+#[test]
+fn recorded_traces_replay_to_the_same_peak() {
+    use gpumem::workload::SplitMix;
+    use gpumem::{CachingAllocator, Stream};
+    for conf in ["shards:1", "shards:1,expandable_segments:False"] {
+        let (a, dev) = CachingAllocator::simulated(TIB, Config::parse(conf).unwrap()).unwrap();
+        let mut live = Vec::new();
+        let mut r = SplitMix::new(9);
+        a.start_recording();
+        for _ in 0..3000 {
+            if live.len() > 40 || (r.below(3) == 0 && !live.is_empty()) {
+                let i = r.below(live.len() as u64) as usize;
+                a.deallocate(live.swap_remove(i)).unwrap();
+            } else {
+                let size = 256 << r.below(18);
+                live.push(a.allocate(Stream(r.below(2)), size as usize, 256).unwrap());
+            }
+        }
+        for x in live.drain(..) {
+            a.deallocate(x).unwrap();
+        }
+        let events = a.stop_recording();
+        assert!(a.stop_recording().is_empty(), "recording is off");
+        let rec = recorded(&events);
+        let peak = a.stats().reserved_bytes.all.peak;
+        assert_eq!(rec.peak_reserved_bytes, peak, "{conf}");
+        let again = replay("again", &events, &Config::parse(conf).unwrap(), TIB).unwrap();
+        assert_eq!(again.peak_reserved_bytes, peak, "{conf}");
+        assert_eq!(again.peak_live_bytes, rec.peak_live_bytes);
+        // round trip through a gzip file
+        let path = std::env::temp_dir().join(format!("gpumem-rec-{}.jsonl.gz", std::process::id()));
+        gpumem::trace::write_trace(&path, &events).unwrap();
+        let back = read_trace(&path).unwrap();
+        assert_eq!(back.len(), events.len());
+        assert!(back
+            .iter()
+            .zip(&events)
+            .all(|(x, y)| (x.action, x.addr, x.size, x.stream)
+                == (y.action, y.addr, y.size, y.stream)));
+        drop(dev);
+    }
 }
 
 #[test]
@@ -100,8 +191,11 @@ fn truncated_gzip_is_an_error_not_a_panic() {
         .unwrap()
         .write_all(&full[..full.len() / 2])
         .unwrap();
-    let e = read_trace(&cut).unwrap_err();
-    assert!(e.to_string().contains("cut.jsonl.gz:"), "{e}");
+    let e = read_trace(&cut).unwrap_err().to_string();
+    assert!(
+        e.contains("cut.jsonl.gz:") && e.contains("cannot read"),
+        "{e}"
+    );
     assert!(matches!(
         read_trace(&dir.join("missing.jsonl")),
         Err(Error::Trace(_))

@@ -34,6 +34,7 @@ pub mod summary;
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::resource::{Backend, DevPtr, Event, Stream};
+use crate::trace::{Action, TraceEvent};
 use free_index::FreeIndex;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -43,6 +44,7 @@ pub use stats::{PoolKind, Stat, StatArray, Stats};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Largest alignment the pool guarantees for every block.
 pub const MAX_ALIGN: usize = MIN_BLOCK as usize;
@@ -296,6 +298,15 @@ pub struct CachingPool {
     peak_allocated: u64,
     /// per stream: (stream, highest free tick known idle, outstanding checkpoint event, its tick)
     checkpoints: Vec<(Stream, u64, Option<Event>, u64)>,
+    /// trace recording, when on
+    recorder: Option<Box<Recorder>>,
+}
+
+/// Events recorded by one pool: (nanoseconds since the recording started, event).
+#[derive(Debug)]
+struct Recorder {
+    start: Instant,
+    events: Vec<(u64, TraceEvent)>,
 }
 
 impl std::fmt::Debug for CachingPool {
@@ -347,6 +358,28 @@ impl CachingPool {
             tick: 0,
             peak_allocated: 0,
             checkpoints: Vec::new(),
+            recorder: None,
+        }
+    }
+
+    /// Start recording this pool's events (times relative to `start`), dropping any earlier
+    /// recording.
+    pub fn start_recording(&mut self, start: Instant) {
+        self.recorder = Some(Box::new(Recorder {
+            start,
+            events: Vec::new(),
+        }));
+    }
+
+    /// Stop recording; returns the events with their times in nanoseconds since the start.
+    pub fn stop_recording(&mut self) -> Vec<(u64, TraceEvent)> {
+        self.recorder.take().map(|r| r.events).unwrap_or_default()
+    }
+
+    #[inline]
+    fn record(&mut self, action: Action, addr: u64, size: u64, stream: Stream) {
+        if let Some(r) = self.recorder.as_mut() {
+            r.push(action, addr, size, stream);
         }
     }
 
@@ -424,6 +457,7 @@ impl CachingPool {
                 Err(e) => {
                     if count_oom && e.is_out_of_memory() {
                         self.stats.num_ooms += 1;
+                        self.record(Action::Oom, 0, req, stream);
                     }
                     return Err(e);
                 }
@@ -439,6 +473,7 @@ impl CachingPool {
             self.live.insert(addr, id);
         }
         self.stats.on_alloc(kind, bsize, req);
+        self.record(Action::Alloc, addr, req, stream);
         Ok(PoolAlloc {
             addr,
             block_size: bsize,
@@ -648,6 +683,17 @@ impl CachingPool {
             p.set(first, n, on);
         }
         let bytes = n * page;
+        let (addr, stream) = (s.addr + first * page, s.stream);
+        self.record(
+            if on {
+                Action::SegmentMap
+            } else {
+                Action::SegmentUnmap
+            },
+            addr,
+            bytes,
+            stream,
+        );
         if on {
             self.stats.reserved_bytes.inc(kind, bytes);
             self.stats.num_device_alloc += 1;
@@ -1015,6 +1061,7 @@ impl CachingPool {
         self.stats.segment.inc(kind, 1);
         self.stats.reserved_bytes.inc(kind, seg_size);
         self.stats.num_device_alloc += 1;
+        self.record(Action::SegmentAlloc, addr, seg_size, stream);
         let now = self.shared.reserved.fetch_add(seg_size, Ordering::Relaxed) + seg_size;
         self.shared.peak_reserved.fetch_max(now, Ordering::Relaxed);
         Ok(id)
@@ -1087,6 +1134,14 @@ impl CachingPool {
         let (kind, size, req) = (b.kind, b.size, b.requested);
         let deferred = b.uses.is_some();
         self.stats.on_free(kind, size, req, deferred);
+        if self.recorder.is_some() {
+            let (addr, stream) = (b.addr, b.stream);
+            self.record(Action::FreeRequested, addr, req, stream);
+            if !deferred {
+                self.record(Action::FreeCompleted, addr, req, stream);
+            }
+        }
+        let b = &mut self.blocks[id as usize];
         if deferred {
             let uses = b.uses.take().map(|u| *u).unwrap_or_default();
             b.state = State::Pending;
@@ -1275,7 +1330,9 @@ impl CachingPool {
         }
         let b = &self.blocks[id as usize];
         let (kind, size) = (b.kind, b.size);
+        let (addr, req, stream) = (b.addr, b.requested, b.stream);
         self.stats.on_pending_done(kind, size);
+        self.record(Action::FreeCompleted, addr, req, stream);
         self.free_block(id);
     }
 
@@ -1396,6 +1453,7 @@ impl CachingPool {
         if let Err(e) = self.backend.deallocate(addr, size as usize, stream) {
             tracing::warn!("gpumem: returning segment {addr:#x} ({size} B) failed: {e}");
         }
+        self.record(Action::SegmentFree, addr, size, stream);
         self.stats.segment.dec(kind, 1);
         self.stats.reserved_bytes.dec(kind, size);
         self.stats.num_device_free += 1;
@@ -1696,6 +1754,15 @@ impl CachingPool {
             }
         }
         Ok(())
+    }
+}
+
+impl Recorder {
+    #[cold]
+    fn push(&mut self, action: Action, addr: u64, size: u64, stream: Stream) {
+        let ns = self.start.elapsed().as_nanos() as u64;
+        self.events
+            .push((ns, TraceEvent::new(action, addr, size, stream.0, ns / 1000)));
     }
 }
 

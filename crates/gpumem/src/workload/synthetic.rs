@@ -139,26 +139,26 @@ impl Builder {
         self.next_addr += size.div_ceil(512) * 512 + 512;
         self.time += 1;
         self.live.insert(addr, (size, stream));
-        self.events.push(TraceEvent {
-            action: Action::Alloc,
+        self.events.push(TraceEvent::new(
+            Action::Alloc,
             addr,
             size,
             stream,
-            time_us: self.time,
-        });
+            self.time,
+        ));
         addr
     }
 
     fn free(&mut self, addr: u64) {
         let (size, stream) = self.live.remove(&addr).expect("live");
         self.time += 1;
-        self.events.push(TraceEvent {
-            action: Action::FreeCompleted,
+        self.events.push(TraceEvent::new(
+            Action::FreeCompleted,
             addr,
             size,
             stream,
-            time_us: self.time,
-        });
+            self.time,
+        ));
     }
 
     fn free_all(&mut self, addrs: Vec<u64>) {
