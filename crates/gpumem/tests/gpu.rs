@@ -75,7 +75,12 @@ fn device_info_is_sane() {
 #[ignore = "needs a CUDA GPU"]
 fn round_trips_keep_data_intact() {
     let _g = gpu();
-    for conf in ["", "backend:cudaMallocAsync", "quick_cache:0,shards:1"] {
+    for conf in [
+        "",
+        "expandable_segments:False",
+        "backend:cudaMallocAsync",
+        "quick_cache:0,shards:1",
+    ] {
         let a = CachingAllocator::cuda(0, Config::parse(conf).unwrap()).unwrap();
         let s = Stream::DEFAULT;
         for n in [
@@ -282,4 +287,144 @@ fn threads_with_their_own_streams() {
         }
     });
     assert_eq!(a.stats().allocation.all.current, 0);
+}
+
+const MIB: usize = 1 << 20;
+
+fn pattern(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2654435761) ^ salt)
+        .collect()
+}
+
+/// Virtual-memory segments: one address range grows in place as blocks are added, data already
+/// there stays intact, and empty_cache gives the physical memory back to the device.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn expandable_segments_grow_in_place_keep_data_and_shrink() {
+    let _g = gpu();
+    let a = CachingAllocator::cuda(0, Config::parse("shards:1,quick_cache:0").unwrap()).unwrap();
+    assert!(a.expandable(), "the H100 has virtual-memory management");
+    let s = Stream::DEFAULT;
+    let first_data = pattern(5 * MIB / 4 + 3, 0xabcd);
+    let first = DeviceBuffer::from_slice(&a, s, &first_data).unwrap();
+    let base = first.device_ptr();
+    let free_before = a.backend().mem_info().unwrap().free;
+    let mut grown = Vec::new();
+    for k in 0..24 {
+        let data = pattern(37 * MIB / 4 + k, k as u32);
+        grown.push((DeviceBuffer::from_slice(&a, s, &data).unwrap(), data));
+    }
+    let large: Vec<_> = a.segments().into_iter().filter(|g| g.expandable).collect();
+    assert_eq!(large.len(), 1, "all in one address range: {large:?}");
+    let seg = &large[0];
+    for (b, _) in &grown {
+        assert!(b.device_ptr() > base && b.device_ptr() < seg.addr + seg.size);
+    }
+    assert_eq!(
+        first.to_vec().unwrap(),
+        first_data,
+        "data intact across growth"
+    );
+    for (b, data) in &grown {
+        assert_eq!(&b.to_vec().unwrap(), data);
+    }
+    let reserved = a.stats().reserved_bytes.all.current;
+    assert!(reserved >= 24 * 37 * MIB as u64);
+    let free_grown = a.backend().mem_info().unwrap().free;
+    assert!(free_before - free_grown >= 24 * 37 * MIB as u64);
+    drop(grown);
+    a.empty_cache();
+    let after = a.stats().reserved_bytes.all.current;
+    assert!(
+        after <= 8 * MIB as u64,
+        "only first's pages stay mapped: {after}"
+    );
+    let free_after = a.backend().mem_info().unwrap().free;
+    assert!(
+        free_after >= free_before - 8 * MIB as u64,
+        "pages went back to the device"
+    );
+    assert_eq!(
+        first.to_vec().unwrap(),
+        first_data,
+        "data intact after shrinking"
+    );
+    println!(
+        "grew to {} MiB reserved, {} MiB after empty_cache; device free {} -> {} -> {} MiB",
+        reserved >> 20,
+        after >> 20,
+        free_before >> 20,
+        free_grown >> 20,
+        free_after >> 20
+    );
+}
+
+/// A block freed while a kernel still reads it: moving its pages to a new block must wait for
+/// the kernel (unmapping under a running kernel faults it).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn expandable_unmaps_only_after_pending_work_completes() {
+    let g = gpu();
+    let st = g.ctx.new_stream().unwrap();
+    let s = Stream::from(&*st);
+    let a = CachingAllocator::cuda(
+        0,
+        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
+    )
+    .unwrap();
+    let n = 64 * MIB / 4;
+    let mut x = DeviceBuffer::<u32>::alloc(&a, s, n).unwrap();
+    fill(&g, &st, &mut x, 0x3333_3333);
+    let mut out = DeviceBuffer::<u32>::zeroed(&a, s, n).unwrap();
+    let (nn, cycles) = (n as u64, 400_000_000i64); // ~200 ms
+    let mut l = st.launch_builder(&g.slow_copy);
+    l.arg(&mut out).arg(&x).arg(&nn).arg(&cycles);
+    // SAFETY: both buffers hold n u32s.
+    unsafe { l.launch(cfg(n)) }.unwrap();
+    drop(x); // freed on its stream while the kernel has still to read it
+             // 100 MiB does not fit in x's hole: x's pages are unmapped to back it
+    let y = DeviceBuffer::<u8>::alloc(&a, s, 100 * MIB).unwrap();
+    let stats = a.stats();
+    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
+    assert!(stats.num_unmap_syncs >= 1, "waited for the kernel");
+    st.synchronize().unwrap();
+    let got = out.to_vec().unwrap();
+    let bad = got
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != 0x3333_3333 ^ i as u32)
+        .count();
+    assert_eq!(bad, 0, "the kernel read {bad} wrong words");
+    drop(y);
+}
+
+/// Replaying a trace with real CUDA allocations reserves what the simulation says, within 1%.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn replay_on_the_gpu_agrees_with_the_simulation() {
+    let _g = gpu();
+    // the bundle's run script says where the data is on the GPU machine
+    let dir = std::env::var("GPUMEM_TEST_DATA")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data").to_string());
+    let path = std::path::Path::new(&dir).join("resnet50_train.jsonl.gz");
+    let events = gpumem::trace::read_trace(&path).unwrap();
+    for conf in ["", "expandable_segments:False"] {
+        let config = Config::parse(conf).unwrap();
+        let sim = gpumem::trace::replay("sim", &events, &config, 1 << 50).unwrap();
+        let make = || gpumem::allocator::cuda_backend(0, &config);
+        let gpu = gpumem::trace::replay_detailed("gpu", &events, &config, &make)
+            .unwrap()
+            .report;
+        let diff = (gpu.peak_reserved_bytes as f64 / sim.peak_reserved_bytes as f64 - 1.0).abs();
+        println!(
+            "{conf:?}: simulated {} B, GPU {} B ({:.4}%), ratio {:.4} vs {:.4}",
+            sim.peak_reserved_bytes,
+            gpu.peak_reserved_bytes,
+            diff * 100.0,
+            sim.ratio,
+            gpu.ratio
+        );
+        assert!(diff <= 0.01, "{conf:?}: {diff}");
+    }
 }

@@ -8,9 +8,13 @@ use std::path::Path;
 const TIB: u64 = 1 << 40;
 
 fn data(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data")
-        .join(name)
+    // GPUMEM_TEST_DATA: where the data is when the test binary runs elsewhere (gpu-bundle)
+    match std::env::var("GPUMEM_TEST_DATA") {
+        Ok(dir) => Path::new(&dir).join(name),
+        Err(_) => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name),
+    }
 }
 
 /// With classic segments, gpumem's policy is PyTorch's native one: replaying a real PyTorch
