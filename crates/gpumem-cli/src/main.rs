@@ -394,7 +394,24 @@ fn replay_on_device(
         ));
     }
     let make = || gpumem::allocator::cuda_backend(ordinal, config);
-    Ok(gpumem::trace::replay_detailed(name, events, config, &make)?.report)
+    // a CUDA stream of our own for every stream id of the trace but 0 (the default stream)
+    let ctx = gpumem::resource::cuda::primary_context(ordinal)?;
+    let mut streams = std::collections::HashMap::new();
+    for e in events {
+        if e.stream != 0 && !streams.contains_key(&e.stream) {
+            let s = ctx.new_stream().map_err(|err| gpumem::Error::Cuda {
+                call: "cuStreamCreate",
+                message: format!("{err:?}"),
+            })?;
+            streams.insert(e.stream, s);
+        }
+    }
+    let map = |id: u64| {
+        streams
+            .get(&id)
+            .map_or(gpumem::Stream::DEFAULT, |s| gpumem::Stream::from(&**s))
+    };
+    Ok(gpumem::trace::replay_detailed(name, events, config, &make, &map)?.report)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -28,7 +28,7 @@ pub fn write(trace: &Path, output: &Path, conf: &str) -> Result<(), String> {
     let config = Config::parse(conf).map_err(|e| e.to_string())?;
     let name = if conf.is_empty() { "gpumem" } else { conf };
     let make = || Ok(Arc::new(SimulatedDevice::new(1 << 50)) as Arc<dyn Backend>);
-    let replay = gpumem::trace::replay_detailed(name, &events, &config, &make)
+    let replay = gpumem::trace::replay_detailed(name, &events, &config, &make, &gpumem::Stream)
         .map_err(|e| format!("{}: {e}", trace.display()))?;
     let html = render(&trace.display().to_string(), &events, &replay);
     std::fs::write(output, html).map_err(|e| format!("{}: {e}", output.display()))?;

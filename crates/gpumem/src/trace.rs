@@ -344,7 +344,7 @@ pub fn replay(
     config: &Config,
     capacity: u64,
 ) -> Result<PolicyReport> {
-    Ok(replay_detailed(name, events, config, &|| Ok(simulated(capacity)))?.report)
+    Ok(replay_detailed(name, events, config, &|| Ok(simulated(capacity)), &Stream)?.report)
 }
 
 fn simulated(capacity: u64) -> Arc<dyn Backend> {
@@ -353,36 +353,46 @@ fn simulated(capacity: u64) -> Arc<dyn Backend> {
 
 /// [`replay`] over backends made by `backend` (a fresh one per pass: the demand is replayed
 /// three times, once timed with nothing but the allocator calls, once to find the reserved
-/// peak, once to stop there and look at the segments). On a CUDA backend the allocations are
-/// real (no kernels run).
+/// peak, once to stop there and look at the segments), with the trace's stream ids turned into
+/// the backend's streams by `stream` (on CUDA the recorded handles mean nothing in this
+/// process: give each id a stream of its own). On a CUDA backend the allocations are real (no
+/// kernels run).
 pub fn replay_detailed(
     name: &str,
     events: &[TraceEvent],
     config: &Config,
     backend: &dyn Fn() -> Result<Arc<dyn Backend>>,
+    stream: &dyn Fn(u64) -> Stream,
 ) -> Result<Replay> {
     let start = Instant::now();
-    let replayed = run(events, config, backend()?, usize::MAX, |_, _| {})?.0;
+    let replayed = run(events, config, backend()?, stream, usize::MAX, |_, _| {})?.0;
     let ns_per_event = start.elapsed().as_nanos() as f64 / replayed.max(1) as f64;
 
     let mut peak = (0u64, 0u64, 0usize); // reserved, segments, event index
     let mut timeline = Vec::with_capacity(events.len());
     let mut live = 0u64;
-    let (_, stats, backend_name) = run(events, config, backend()?, usize::MAX, |alloc, i| {
-        let s = alloc.stats();
-        let e = &events[i];
-        match e.action {
-            Action::Alloc => live += e.size,
-            _ => live = live.saturating_sub(e.size),
-        }
-        timeline.push((e.time_us, live, s.reserved_bytes.all.current));
-        if s.reserved_bytes.all.current > peak.0 {
-            peak = (s.reserved_bytes.all.current, s.segment.all.current, i);
-        }
-    })?;
+    let (_, stats, backend_name) = run(
+        events,
+        config,
+        backend()?,
+        stream,
+        usize::MAX,
+        |alloc, i| {
+            let s = alloc.stats();
+            let e = &events[i];
+            match e.action {
+                Action::Alloc => live += e.size,
+                _ => live = live.saturating_sub(e.size),
+            }
+            timeline.push((e.time_us, live, s.reserved_bytes.all.current));
+            if s.reserved_bytes.all.current > peak.0 {
+                peak = (s.reserved_bytes.all.current, s.segment.all.current, i);
+            }
+        },
+    )?;
     let mut at_peak = (0u64, Vec::new());
     if peak.0 > 0 {
-        run(events, config, backend()?, peak.2, |alloc, i| {
+        run(events, config, backend()?, stream, peak.2, |alloc, i| {
             if i == peak.2 {
                 at_peak = (alloc.largest_free_block(), alloc.segments());
             }
@@ -414,6 +424,7 @@ fn run(
     events: &[TraceEvent],
     config: &Config,
     backend: Arc<dyn Backend>,
+    stream: &dyn Fn(u64) -> Stream,
     stop: usize,
     mut after: impl FnMut(&CachingAllocator, usize),
 ) -> Result<(u64, crate::Stats, String)> {
@@ -427,7 +438,7 @@ fn run(
     for (i, e) in events.iter().enumerate().take(stop.saturating_add(1)) {
         match e.action {
             Action::Alloc => {
-                let a = match alloc.allocate(Stream(e.stream), e.size.max(1) as usize, 512) {
+                let a = match alloc.allocate(stream(e.stream), e.size.max(1) as usize, 512) {
                     Ok(a) => a,
                     Err(err) => {
                         result = Err(Error::Trace(format!(

@@ -413,7 +413,7 @@ fn replay_on_the_gpu_agrees_with_the_simulation() {
         let config = Config::parse(conf).unwrap();
         let sim = gpumem::trace::replay("sim", &events, &config, 1 << 50).unwrap();
         let make = || gpumem::allocator::cuda_backend(0, &config);
-        let gpu = gpumem::trace::replay_detailed("gpu", &events, &config, &make)
+        let gpu = gpumem::trace::replay_detailed("gpu", &events, &config, &make, &Stream)
             .unwrap()
             .report;
         let diff = (gpu.peak_reserved_bytes as f64 / sim.peak_reserved_bytes as f64 - 1.0).abs();

@@ -214,7 +214,13 @@ fn default_policy_reaches_1_02_on_every_workload_kind() {
     use gpumem::workload::synthetic::Kind;
     let classic = Config::parse("expandable_segments:False").unwrap();
     let mut workloads: Vec<(String, Vec<gpumem::trace::TraceEvent>)> = Vec::new();
-    for name in ["gpt_train.jsonl.gz", "resnet50_train.jsonl.gz"] {
+    for name in [
+        "gpt_train.jsonl.gz",
+        "resnet50_train.jsonl.gz",
+        // recorded on an H100 with scripts/record_torch_trace.py (native allocator: 1.559, 1.183)
+        "torch_kv_decode.jsonl.gz",
+        "torch_varlen_train.jsonl.gz",
+    ] {
         workloads.push((name.into(), read_trace(&data(name)).unwrap()));
     }
     for kind in Kind::ALL {
@@ -262,4 +268,25 @@ fn synthetic_traces_are_deterministic_and_well_formed() {
         assert!(live.is_empty(), "{}: everything is freed", kind.name());
         assert_eq!(Kind::from_name(kind.name()), Some(kind));
     }
+}
+
+/// A real PyTorch snapshot pickle (`scripts/record_torch_trace.py --pickle` on an H100 with
+/// `scripts/workloads/tiny_train.py`) is read directly.
+#[test]
+fn reads_a_real_pytorch_snapshot_pickle() {
+    let ev = read_trace(&data("torch_tiny_train.pickle")).unwrap();
+    assert_eq!(ev.len(), 204);
+    let count = |a: Action| ev.iter().filter(|e| e.action == a).count();
+    assert_eq!(count(Action::FreeRequested), count(Action::FreeCompleted));
+    assert_eq!(
+        (count(Action::Alloc), count(Action::FreeCompleted)),
+        (78, 60)
+    );
+    assert!(count(Action::SegmentAlloc) >= 1);
+    assert!(ev.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+    let rec = recorded(&ev);
+    assert_eq!(rec.peak_reserved_bytes, 72 << 20);
+    assert!((rec.ratio - 1.024).abs() < 0.001, "{}", rec.ratio);
+    let ours = replay("gpumem", &ev, &Config::default(), TIB).unwrap();
+    assert!(ours.ratio <= rec.ratio + 1e-9);
 }

@@ -414,6 +414,19 @@ impl Resource for CudaDevice {
 
 cuda_stream_ops!(CudaDevice);
 
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // pages a pool left mapped (it unmaps its own on drop; this is the safety net)
+        let pages: Vec<DevPtr> = self.handles.get_mut().keys().copied().collect();
+        if !pages.is_empty() && self.ops.bind().is_ok() {
+            let page = self.page.unwrap_or(1);
+            for p in pages {
+                let _ = self.unmap_pages(p, page);
+            }
+        }
+    }
+}
+
 /// A private stream-ordered pool (cuMemPoolCreate + cuMemAllocFromPoolAsync) with a release
 /// threshold: what `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` uses.
 #[derive(Debug)]
