@@ -100,7 +100,7 @@ impl Default for Config {
             quick_cache: 16,
             cross_stream_reuse: true,
             expandable_segments: true,
-            expandable_slack: 0.005,
+            expandable_slack: 0.002,
         }
     }
 }

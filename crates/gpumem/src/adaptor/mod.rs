@@ -45,6 +45,10 @@ macro_rules! forward_stream_ops {
                 let $s = self;
                 $inner.synchronize(stream)
             }
+            fn synchronize_device(&self) -> $crate::error::Result<()> {
+                let $s = self;
+                $inner.synchronize_device()
+            }
             unsafe fn copy(
                 &self,
                 dst: $crate::resource::DevPtr,

@@ -298,8 +298,52 @@ pub struct CachingPool {
     peak_allocated: u64,
     /// per stream: (stream, highest free tick known idle, outstanding checkpoint event, its tick)
     checkpoints: Vec<(Stream, u64, Option<Event>, u64)>,
+    /// free ticks up to this one are idle on every stream (after a device synchronisation)
+    device_safe: u64,
+    /// how often pages are being moved, which scales the slack
+    churn: Churn,
     /// trace recording, when on
     recorder: Option<Box<Recorder>>,
+}
+
+/// Page moves per window of allocations. Moving pages costs driver calls (about 40 µs per
+/// page and call on an H100) and sometimes a wait for a stream; a workload whose sizes never
+/// settle (random sizes, say) would move pages on a good share of its allocations. Each window
+/// of [`Churn::WINDOW`] allocations in which more than [`Churn::HIGH`] moved pages (and the
+/// peak of allocated bytes did not grow by more than 1%) doubles the
+/// slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the pool is practically
+/// PyTorch's expandable segments: pages are mapped as it grows and kept); `empty_cache` starts
+/// over. Workloads that repeat (training steps) or grow slowly (decoding) stay at the
+/// configured slack.
+#[derive(Debug, Default)]
+struct Churn {
+    allocs: u32,
+    moves: u32,
+    level: u32,
+    /// peak allocated bytes when the window started
+    peak: u64,
+}
+
+impl Churn {
+    const WINDOW: u32 = 1024;
+    const HIGH: u32 = 16;
+    const MAX_LEVEL: u32 = 8;
+
+    #[inline]
+    fn tick(&mut self, peak_allocated: u64) {
+        self.allocs += 1;
+        if self.allocs >= Self::WINDOW {
+            // moves while the peak grows are the pool filling up (a first training step), not
+            // churn
+            let grew = peak_allocated > self.peak + self.peak / 100;
+            if self.moves > Self::HIGH && !grew {
+                self.level = (self.level + 1).min(Self::MAX_LEVEL);
+            }
+            self.allocs = 0;
+            self.moves = 0;
+            self.peak = peak_allocated;
+        }
+    }
 }
 
 /// Events recorded by one pool: (nanoseconds since the recording started, event).
@@ -358,6 +402,8 @@ impl CachingPool {
             tick: 0,
             peak_allocated: 0,
             checkpoints: Vec::new(),
+            device_safe: 0,
+            churn: Churn::default(),
             recorder: None,
         }
     }
@@ -560,6 +606,7 @@ impl CachingPool {
             },
         };
         self.split(id, size);
+        self.churn.tick(self.peak_allocated);
         match self.ensure_mapped(id, stream) {
             Ok(0) => {
                 self.stats.cache_hits += 1;
@@ -647,10 +694,12 @@ impl CachingPool {
             return Ok(0);
         }
         self.peak_allocated = self.peak_allocated.max(self.stats.allocated() + size);
-        let allowance = (self.peak_allocated as f64 * (1.0 + self.policy.slack)) as u64;
+        let slack = self.policy.slack * f64::from(1u32 << self.churn.level);
+        let allowance = (self.peak_allocated as f64 * (1.0 + slack)) as u64;
         let reserved = self.stats.reserved();
         if reserved + need > allowance {
-            self.reclaim_pages(stream, reserved + need - allowance);
+            self.churn.moves += 1;
+            self.reclaim_pages(Some(stream), reserved + need - allowance);
         }
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
@@ -713,8 +762,11 @@ impl CachingPool {
     /// immediate, so no queued work may still touch a page: pages freed before the owner
     /// stream's last completed checkpoint event go first (no waiting); then a fresh checkpoint
     /// is recorded and, if the stream has already caught up, more pages are safe; only then
-    /// does the pool wait for the stream. Returns the bytes unmapped.
-    fn reclaim_pages(&mut self, stream: Stream, want: u64) -> u64 {
+    /// does the pool wait for the stream. Only `current` (the stream of the allocation being
+    /// served, alive by contract) gets events recorded on it or is waited for; segments of
+    /// other streams, which may have been destroyed since, are made safe by a device-wide
+    /// synchronisation. Returns the bytes unmapped.
+    fn reclaim_pages(&mut self, current: Option<Stream>, want: u64) -> u64 {
         if self.policy.page.is_none() || want == 0 {
             return 0;
         }
@@ -725,7 +777,7 @@ impl CachingPool {
             .copied()
             .filter(|&s| self.segments[s as usize].pages.is_some())
             .collect();
-        order.sort_by_key(|&s| self.segments[s as usize].stream != stream);
+        order.sort_by_key(|&s| Some(self.segments[s as usize].stream) != current);
         let mut got = 0u64;
         for seg in order {
             if got >= want {
@@ -742,24 +794,36 @@ impl CachingPool {
             if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
                 continue;
             }
-            // 2: a fresh checkpoint, complete at once if the stream is idle
-            self.checkpoint(owner);
-            let safe = self.safe_tick(owner);
-            let runs = self.free_mapped_runs(seg, want - got, safe);
-            got += self.unmap_runs(seg, runs);
-            if got >= want {
-                break;
+            let own = Some(owner) == current;
+            if own {
+                // 2: a fresh checkpoint, complete at once if the stream is idle
+                self.checkpoint(owner);
+                let safe = self.safe_tick(owner);
+                let runs = self.free_mapped_runs(seg, want - got, safe);
+                got += self.unmap_runs(seg, runs);
+                if got >= want {
+                    break;
+                }
+                if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
+                    continue;
+                }
             }
-            // 3: wait for the stream, if that makes more pages free
-            if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
-                continue;
-            }
-            if let Err(e) = self.backend.synchronize(owner) {
+            // 3: wait for the stream (or the device), then the rest is idle
+            let waited = if own {
+                self.backend.synchronize(owner)
+            } else {
+                self.backend.synchronize_device()
+            };
+            if let Err(e) = waited {
                 tracing::warn!("gpumem: cannot synchronize before unmapping: {e}");
                 continue;
             }
             self.stats.num_unmap_syncs += 1;
-            self.set_safe(owner, self.tick);
+            if own {
+                self.set_safe(owner, self.tick);
+            } else {
+                self.device_safe = self.tick;
+            }
             let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
             got += self.unmap_runs(seg, runs);
         }
@@ -769,7 +833,7 @@ impl CachingPool {
     /// The highest free tick known to be idle on `stream` (after polling its checkpoint).
     fn safe_tick(&mut self, stream: Stream) -> u64 {
         let Some(i) = self.checkpoints.iter().position(|c| c.0 == stream) else {
-            return 0;
+            return self.device_safe;
         };
         if let (Some(ev), tick) = (self.checkpoints[i].2, self.checkpoints[i].3) {
             if self.backend.event_done(ev).unwrap_or(false) {
@@ -779,7 +843,7 @@ impl CachingPool {
                 c.1 = c.1.max(tick);
             }
         }
-        self.checkpoints[i].1
+        self.checkpoints[i].1.max(self.device_safe)
     }
 
     fn set_safe(&mut self, stream: Stream, tick: u64) {
@@ -1462,9 +1526,10 @@ impl CachingPool {
 
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
+        self.churn = Churn::default();
         self.flush_quick();
         self.process_events();
-        let mut bytes = self.reclaim_pages(Stream::DEFAULT, u64::MAX);
+        let mut bytes = self.reclaim_pages(None, u64::MAX);
         for seg in self.releasable() {
             let s = &self.segments[seg as usize];
             if s.pages.is_none() {
@@ -1796,7 +1861,7 @@ impl Drop for CachingPool {
             self.backend.destroy_event(ev);
         }
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let mut synced: Vec<Stream> = Vec::new();
+        let mut synced = false;
         for seg in self.segment_index.values() {
             let s = &self.segments[*seg as usize];
             let Some(pages) = &s.pages else {
@@ -1804,9 +1869,10 @@ impl Drop for CachingPool {
                 self.shared.reserved.fetch_sub(s.size, Ordering::Relaxed);
                 continue;
             };
-            if pages.mapped > 0 && !synced.contains(&s.stream) {
-                let _ = self.backend.synchronize(s.stream);
-                synced.push(s.stream);
+            if pages.mapped > 0 && !synced {
+                // the segments' streams may be gone by now: wait for the whole device
+                let _ = self.backend.synchronize_device();
+                synced = true;
             }
             for (f, n) in pages.runs(0, s.size / page, true) {
                 if self.backend.unmap(s.addr + f * page, n * page).is_ok() {

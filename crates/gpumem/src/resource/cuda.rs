@@ -147,6 +147,11 @@ impl CudaOps {
             .map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 
+    fn synchronize_device(&self) -> Result<()> {
+        self.bind()?;
+        result::ctx::synchronize().map_err(|e| cuda_err("cuCtxSynchronize", e))
+    }
+
     unsafe fn copy(
         &self,
         dst: DevPtr,

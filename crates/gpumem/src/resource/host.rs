@@ -134,6 +134,9 @@ impl StreamOps for HostResource {
     fn synchronize(&self, _stream: Stream) -> Result<()> {
         Ok(())
     }
+    fn synchronize_device(&self) -> Result<()> {
+        Ok(())
+    }
     unsafe fn copy(
         &self,
         dst: DevPtr,

@@ -150,6 +150,9 @@ pub trait StreamOps: Send + Sync {
     fn destroy_event(&self, event: Event);
     /// Block the host until all work on `stream` has completed.
     fn synchronize(&self, stream: Stream) -> Result<()>;
+    /// Block the host until all work on the device has completed (needs no stream, so it is
+    /// safe where a stream may have been destroyed since).
+    fn synchronize_device(&self) -> Result<()>;
     /// Copy `bytes` bytes on `stream`. Host pointers are passed as addresses.
     ///
     /// # Safety

@@ -312,6 +312,10 @@ impl StreamOps for SimulatedDevice {
         self.state.lock().syncs += 1;
         Ok(())
     }
+    fn synchronize_device(&self) -> Result<()> {
+        self.state.lock().syncs += 1;
+        Ok(())
+    }
     unsafe fn copy(&self, _: DevPtr, _: DevPtr, _: usize, _: CopyKind, _: Stream) -> Result<()> {
         Err(Error::Unsupported {
             backend: "simulated".into(),

@@ -253,23 +253,33 @@ impl Builder {
         self.free(prefill);
         for step in 0..new {
             let n = prompt + step + 1;
-            let h = self.alloc(b * d * BF16, 0);
-            for c in caches.iter_mut() {
-                let grown = self.alloc(n * per_token, 0);
-                self.free(*c);
-                *c = grown;
-            }
-            for _ in 0..layers {
-                let scores = self.alloc(b * heads * n * BF16, 0);
-                let mlp = self.alloc(4 * b * d * BF16, 0);
+            let mut x = self.alloc(b * d * BF16, 0);
+            // per layer, as torch.cat does it: both new caches exist before the old ones go
+            for l in 0..layers as usize {
+                let qkv = self.alloc(3 * b * d * BF16, 0);
+                let k = self.alloc(n * per_token, 0);
+                let v = self.alloc(n * per_token, 0);
+                let scores = self.alloc(b * heads * n * F32, 0);
+                let attn = self.alloc(b * d * BF16, 0);
                 self.free(scores);
+                self.free(qkv);
+                let mlp = self.alloc(4 * b * d * BF16, 0);
+                let out = self.alloc(b * d * BF16, 0);
                 self.free(mlp);
+                self.free(attn);
+                self.free(x);
+                x = out;
+                let (old_k, old_v) = (caches[2 * l], caches[2 * l + 1]);
+                self.free(old_k);
+                self.free(old_v);
+                caches[2 * l] = k;
+                caches[2 * l + 1] = v;
             }
             let logits = self.alloc(b * 32_000 * F32, 0);
             let next = self.alloc(b * 8, 0);
             self.free(logits);
             self.free(next);
-            self.free(h);
+            self.free(x);
         }
         self.free_all(caches);
     }
