@@ -51,9 +51,6 @@ pub const MAX_ALIGN: usize = MIN_BLOCK as usize;
 const NIL: u32 = u32::MAX;
 /// How many same-stream candidates a cross-stream search looks at per stream.
 const STEAL_SCAN: usize = 32;
-/// How many best-fitting free blocks of an expandable segment are checked for one whose pages
-/// are all mapped.
-const MAPPED_FIT_SCAN: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -686,6 +683,8 @@ impl CachingPool {
         let base = self.segments[seg as usize].addr;
         let (p0, p1) = ((addr - base) / page, (addr + size - base).div_ceil(page));
         let runs = match &self.segments[seg as usize].pages {
+            // the common case, all mapped, costs one bitmap scan and no allocation
+            Some(pages) if pages.next_with(p0, p1, false) >= p1 => return Ok(0),
             Some(pages) => pages.runs(p0, p1, false),
             None => return Ok(0),
         };
@@ -961,38 +960,12 @@ impl CachingPool {
 
     fn best_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
         let slot = self.slot_of(stream)?;
-        if self.policy.page.is_some() {
-            let id = self.best_mapped_fit(slot, size, kind)?;
-            self.leave_free(id);
-            return Some(id);
-        }
         let (bsize, _, id) = self.free[slot][kind as usize].best_fit(size)?;
         if !self.fits(size, bsize) {
             return None;
         }
         self.leave_free(id);
         Some(id)
-    }
-
-    /// Expandable segments: among the few best-fitting free blocks, the first whose start
-    /// `size` bytes are all mapped (served with no driver call), else the best fit.
-    fn best_mapped_fit(&self, slot: usize, size: u64, kind: PoolKind) -> Option<u32> {
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let mut first = None;
-        for (_, addr, id) in self.free[slot][kind as usize]
-            .at_least(size)
-            .take(MAPPED_FIT_SCAN)
-        {
-            first.get_or_insert(id);
-            let s = &self.segments[self.blocks[id as usize].segment as usize];
-            if let Some(p) = &s.pages {
-                let (lo, hi) = (addr - s.addr, addr + size - s.addr);
-                if p.next_with(lo / page, hi.div_ceil(page), false) >= hi.div_ceil(page) {
-                    return Some(id);
-                }
-            }
-        }
-        first
     }
 
     /// Take a wholly free segment another stream cached, ordered behind that stream's work.
