@@ -19,6 +19,9 @@ pub struct Row {
     pub ns_per_op: f64,
     /// total time / ops: the throughput figure the thread speedup is computed from
     pub mean_ns_per_op: f64,
+    /// driver calls gpumem made during the timed part (segments, or pages mapped and
+    /// unmapped); 0 for the other allocators, whose every op is a call
+    pub device_calls: u64,
 }
 
 /// What a benchmark needs from an allocator: one alloc and one free.
@@ -30,6 +33,10 @@ pub trait Api: Sync {
     /// How many timed operations this allocator can afford (the driver's are slow).
     fn budget(&self, wanted: usize) -> usize {
         wanted
+    }
+    /// Driver calls made so far (gpumem's statistics).
+    fn device_calls(&self) -> u64 {
+        0
     }
 }
 
@@ -47,6 +54,10 @@ impl Api for Gpumem {
     }
     fn free(&self, h: Allocation) {
         self.0.deallocate(h).unwrap_or_else(|e| fail(&e))
+    }
+    fn device_calls(&self) -> u64 {
+        let s = self.0.stats();
+        s.num_device_alloc + s.num_device_free
     }
 }
 
@@ -150,6 +161,7 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         api.free(h);
     }
     let mut per = Vec::new();
+    let calls = api.device_calls();
     for _ in 0..pairs / BATCH {
         let t = Instant::now();
         for _ in 0..BATCH {
@@ -165,6 +177,7 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         threads: 1,
         mean_ns_per_op: mean(&per),
         ns_per_op: median(per),
+        device_calls: api.device_calls() - calls,
     }
 }
 
@@ -206,7 +219,9 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
     let w = RandomLive::standard(1, 1 << 16);
     let mut live = warm_set(api, &w);
     random_steps(api, &w, &mut live, api.budget(w.sizes.len()), pb);
+    let calls = api.device_calls();
     let per = random_steps(api, &w, &mut live, ops, pb);
+    let calls = api.device_calls() - calls;
     for h in live {
         api.free(h);
     }
@@ -216,6 +231,7 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
         threads: 1,
         mean_ns_per_op: mean(&per),
         ns_per_op: median(per),
+        device_calls: calls,
     }
 }
 
@@ -242,9 +258,11 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         }
         barrier.wait();
         let t = Instant::now();
+        let calls = api.device_calls();
         barrier.wait();
-        t.elapsed()
+        (t.elapsed(), api.device_calls() - calls)
     });
+    let (wall, calls) = wall;
     let per_op = wall.as_nanos() as f64 / (ops * threads) as f64;
     Row {
         allocator: api.name(),
@@ -252,6 +270,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         threads,
         ns_per_op: per_op,
         mean_ns_per_op: per_op,
+        device_calls: calls,
     }
 }
 

@@ -206,6 +206,8 @@ pub struct SharedCounters {
     pub reserved: AtomicU64,
     /// peak of `reserved`
     pub peak_reserved: AtomicU64,
+    /// highest page-churn level of any shard (see `Churn`): shards share what one learnt
+    pub churn_level: std::sync::atomic::AtomicU32,
 }
 
 /// What [`CachingPool::allocate`] hands out.
@@ -326,9 +328,11 @@ impl Churn {
     const HIGH: u32 = 16;
     const MAX_LEVEL: u32 = 8;
 
+    /// Count one allocation; true when the level went up.
     #[inline]
-    fn tick(&mut self, peak_allocated: u64) {
+    fn tick(&mut self, peak_allocated: u64) -> bool {
         self.allocs += 1;
+        let before = self.level;
         if self.allocs >= Self::WINDOW {
             // moves while the peak grows are the pool filling up (a first training step), not
             // churn
@@ -340,6 +344,7 @@ impl Churn {
             self.moves = 0;
             self.peak = peak_allocated;
         }
+        self.level > before
     }
 }
 
@@ -603,7 +608,11 @@ impl CachingPool {
             },
         };
         self.split(id, size);
-        self.churn.tick(self.peak_allocated);
+        if self.churn.tick(self.peak_allocated) {
+            self.shared
+                .churn_level
+                .fetch_max(self.churn.level, Ordering::Relaxed);
+        }
         match self.ensure_mapped(id, stream) {
             Ok(0) => {
                 self.stats.cache_hits += 1;
@@ -693,7 +702,11 @@ impl CachingPool {
             return Ok(0);
         }
         self.peak_allocated = self.peak_allocated.max(self.stats.allocated() + size);
-        let slack = self.policy.slack * f64::from(1u32 << self.churn.level);
+        let level = self
+            .churn
+            .level
+            .max(self.shared.churn_level.load(Ordering::Relaxed));
+        let slack = self.policy.slack * f64::from(1u32 << level);
         let allowance = (self.peak_allocated as f64 * (1.0 + slack)) as u64;
         let reserved = self.stats.reserved();
         if reserved + need > allowance {
@@ -1500,6 +1513,7 @@ impl CachingPool {
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
         self.churn = Churn::default();
+        self.shared.churn_level.store(0, Ordering::Relaxed);
         self.flush_quick();
         self.process_events();
         let mut bytes = self.reclaim_pages(None, u64::MAX);
