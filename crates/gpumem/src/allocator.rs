@@ -35,6 +35,8 @@ thread_local! {
 }
 
 struct Inner {
+    /// the budget adaptor, when the configuration set one
+    limit: Option<Arc<Limit>>,
     backend: Arc<dyn Backend>,
     shards: Box<[Padded<Mutex<CachingPool>>]>,
     shared: Arc<SharedCounters>,
@@ -87,9 +89,12 @@ impl CachingAllocator {
     /// A caching allocator over `backend`. A `memory_fraction` or `memory_limit_mb` in the
     /// configuration wraps the backend in a [`Limit`] budget.
     pub fn new(backend: Arc<dyn Backend>, config: Config) -> Result<Self> {
-        let backend: Arc<dyn Backend> = match budget(&*backend, &config)? {
-            Some(limit) => Arc::new(Limit::new(backend, limit)),
-            None => backend,
+        let (backend, limit): (Arc<dyn Backend>, _) = match budget(&*backend, &config)? {
+            Some(limit) => {
+                let l = Arc::new(Limit::new(backend, limit));
+                (l.clone(), Some(l))
+            }
+            None => (backend, None),
         };
         let shared = Arc::new(SharedCounters::default());
         let shards = (0..config.shard_count())
@@ -107,6 +112,7 @@ impl CachingAllocator {
                 shards,
                 shared,
                 config,
+                limit,
             }),
         })
     }
@@ -344,6 +350,25 @@ impl CachingAllocator {
         }
         all.sort_by_key(|&(ns, i, _)| (ns, i));
         all.into_iter().map(|(_, _, e)| e).collect()
+    }
+
+    /// Change the budget to `fraction` of the device's memory
+    /// (`torch.cuda.set_per_process_memory_fraction`). Needs an allocator built with a budget
+    /// (`memory_fraction` or `memory_limit_mb`; `memory_fraction:1` for none yet).
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "memory fraction {fraction}: must be in (0, 1]"
+            )));
+        }
+        let Some(limit) = &self.inner.limit else {
+            return Err(Error::Config(
+                "this allocator has no budget to change: build it with memory_fraction".into(),
+            ));
+        };
+        let total = self.inner.backend.mem_info()?.total;
+        limit.set_limit((total as f64 * fraction) as u64);
+        Ok(())
     }
 
     /// Largest free cached block over all shards (see [`CachingPool::largest_free_block`]).

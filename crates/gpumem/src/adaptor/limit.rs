@@ -10,7 +10,7 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub struct Limit {
     inner: Arc<dyn Backend>,
-    limit: u64,
+    limit: AtomicU64,
     used: AtomicU64,
 }
 
@@ -19,18 +19,24 @@ impl Limit {
     pub fn new(inner: Arc<dyn Backend>, limit: u64) -> Self {
         Self {
             inner,
-            limit,
+            limit: AtomicU64::new(limit),
             used: AtomicU64::new(0),
         }
+    }
+
+    /// Change the budget (what is already obtained stays; later requests see the new one).
+    pub fn set_limit(&self, limit: u64) {
+        self.limit.store(limit, Ordering::Relaxed);
     }
 
     /// Count `b` bytes against the budget, or refuse them.
     fn charge(&self, b: u64) -> Result<()> {
         let before = self.used.fetch_add(b, Ordering::Relaxed);
-        if before.saturating_add(b) > self.limit {
+        let limit = self.limit.load(Ordering::Relaxed);
+        if before.saturating_add(b) > limit {
             self.used.fetch_sub(b, Ordering::Relaxed);
             return Err(Error::ResourceExhausted {
-                resource: format!("{} (budget of {} bytes)", self.inner.name(), self.limit),
+                resource: format!("{} (budget of {limit} bytes)", self.inner.name()),
                 bytes: b,
             });
         }
@@ -61,13 +67,17 @@ impl Resource for Limit {
     fn mem_info(&self) -> Result<MemInfo> {
         let m = self.inner.mem_info()?;
         Ok(MemInfo {
-            free: m.free.min(self.limit.saturating_sub(self.used())),
+            free: m.free.min(
+                self.limit
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(self.used()),
+            ),
             total: m.total,
         })
     }
 
     fn limit(&self) -> Option<u64> {
-        Some(self.limit)
+        Some(self.limit.load(Ordering::Relaxed))
     }
 
     fn name(&self) -> &str {

@@ -1,0 +1,403 @@
+//! gpumem as PyTorch's (and CuPy's) allocator: the C ABI that
+//! `torch.cuda.memory.CUDAPluggableAllocator(path, "gpumem_alloc", "gpumem_free")` loads.
+//!
+//! One caching allocator per device, created on first use on the device's primary context
+//! (the one PyTorch uses), configured from `GPUMEM_CONF`. Nothing here panics across the ABI:
+//! bad calls (unknown or double frees, negative sizes, devices never initialised) are counted,
+//! logged to stderr once per kind, and answered with a null pointer or nothing. An allocation
+//! that fails after gpumem has emptied its cache and retried returns null, which PyTorch turns
+//! into its usual `OutOfMemoryError`; the message gpumem logs says what was reserved, free and
+//! fragmented.
+//!
+//! The statistics functions return JSON or text in a buffer the caller frees with
+//! [`gpumem_free_string`].
+
+use gpumem::{CachingAllocator, Config, Stream};
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// Counters of calls gpumem refused.
+#[derive(Debug, Default)]
+pub struct Refused {
+    /// frees of addresses gpumem did not hand out (or already freed)
+    pub bad_frees: AtomicU64,
+    /// requests with a negative size
+    pub negative_sizes: AtomicU64,
+    /// requests for a device gpumem could not initialise
+    pub bad_devices: AtomicU64,
+    /// allocations that failed (out of memory or a driver error)
+    pub failed_allocs: AtomicU64,
+    /// requests of zero bytes (answered with null, as PyTorch does)
+    pub zero_sizes: AtomicU64,
+}
+
+struct State {
+    devices: Vec<OnceLock<Option<CachingAllocator>>>,
+    refused: Refused,
+    /// kinds of refusal already logged (log once each)
+    logged: Mutex<Vec<&'static str>>,
+}
+
+const MAX_DEVICES: usize = 64;
+
+fn state() -> &'static State {
+    static S: OnceLock<State> = OnceLock::new();
+    S.get_or_init(|| State {
+        devices: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+        refused: Refused::default(),
+        logged: Mutex::new(Vec::new()),
+    })
+}
+
+fn log_once(kind: &'static str, msg: impl FnOnce() -> String) {
+    let first = state()
+        .logged
+        .lock()
+        .map(|mut l| {
+            let new = !l.contains(&kind);
+            if new {
+                l.push(kind);
+            }
+            new
+        })
+        .unwrap_or(true);
+    if first {
+        eprintln!("gpumem: {} (further ones are only counted)", msg());
+    }
+}
+
+/// The configuration the library uses: `GPUMEM_CONF`, with a budget of the whole device
+/// unless one is set (so the memory fraction can be changed later), and one shard unless
+/// `shards` is set: PyTorch frees from its autograd threads what the main thread allocated,
+/// and one pool per device keeps all of it in one place (PyTorch's allocator has one lock per
+/// device too).
+fn config() -> gpumem::Result<Config> {
+    let mut c = Config::from_env()?;
+    if c.memory_fraction.is_none() && c.memory_limit.is_none() {
+        c.memory_fraction = Some(1.0);
+    }
+    let explicit = std::env::var(gpumem::config::ENV_VAR).is_ok_and(|s| s.contains("shards"));
+    if !explicit {
+        c.shards = Some(1);
+    }
+    Ok(c)
+}
+
+/// The allocator of `device`, created on first use; `None` if it cannot be.
+pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
+    let slot = usize::try_from(device)
+        .ok()
+        .and_then(|d| state().devices.get(d))?;
+    slot.get_or_init(|| {
+        let made = config().and_then(|c| make(device as usize, c));
+        match made {
+            Ok(a) => Some(a),
+            Err(e) => {
+                eprintln!("gpumem: cannot initialise device {device}: {e}");
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+#[cfg(all(feature = "cuda", not(test)))]
+fn make(device: usize, config: Config) -> gpumem::Result<CachingAllocator> {
+    if !gpumem::device::cuda_available() {
+        return Err(gpumem::Error::NoGpu("no CUDA driver or device".into()));
+    }
+    CachingAllocator::cuda(device, config)
+}
+
+/// Without CUDA (and in this crate's unit tests, which exercise the ABI on the host backend)
+/// device 0 is host memory; there is no other device.
+#[cfg(any(not(feature = "cuda"), test))]
+fn make(device: usize, config: Config) -> gpumem::Result<CachingAllocator> {
+    if device != 0 {
+        return Err(gpumem::Error::InvalidDevice {
+            ordinal: device,
+            count: 1,
+        });
+    }
+    CachingAllocator::host(config)
+}
+
+fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
+}
+
+fn to_c(s: String) -> *mut c_char {
+    CString::new(s.replace('\0', " "))
+        .map(CString::into_raw)
+        .unwrap_or(std::ptr::null_mut())
+}
+
+/// `void* alloc(ssize_t size, int device, cudaStream_t stream)` for PyTorch.
+#[no_mangle]
+pub extern "C" fn gpumem_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    guard(std::ptr::null_mut(), || {
+        let r = &state().refused;
+        if size < 0 {
+            r.negative_sizes.fetch_add(1, Ordering::Relaxed);
+            log_once("negative", || {
+                format!("allocation of a negative size ({size})")
+            });
+            return std::ptr::null_mut();
+        }
+        if size == 0 {
+            r.zero_sizes.fetch_add(1, Ordering::Relaxed);
+            return std::ptr::null_mut();
+        }
+        let Some(a) = allocator(device) else {
+            r.bad_devices.fetch_add(1, Ordering::Relaxed);
+            log_once("device", || {
+                format!("allocation on device {device}, which gpumem could not initialise")
+            });
+            return std::ptr::null_mut();
+        };
+        match a.allocate_ptr(Stream(stream as u64), size as usize, 512) {
+            Ok(p) => p as *mut c_void,
+            Err(e) => {
+                r.failed_allocs.fetch_add(1, Ordering::Relaxed);
+                eprintln!("gpumem: allocation of {size} bytes on device {device} failed: {e}");
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)` for PyTorch. The
+/// block goes back to the pool ordered on the stream it was allocated on.
+#[no_mangle]
+pub extern "C" fn gpumem_free(ptr: *mut c_void, size: isize, device: c_int, _stream: *mut c_void) {
+    guard((), || {
+        if ptr.is_null() {
+            return;
+        }
+        let r = &state().refused;
+        let Some(a) = allocator(device) else {
+            r.bad_devices.fetch_add(1, Ordering::Relaxed);
+            log_once("device-free", || {
+                format!("free on device {device}, which gpumem could not initialise")
+            });
+            return;
+        };
+        if let Err(e) = a.deallocate_ptr(ptr as u64) {
+            r.bad_frees.fetch_add(1, Ordering::Relaxed);
+            log_once("free", || format!("free of {ptr:?} ({size} bytes): {e}"));
+        }
+    })
+}
+
+/// `torch.cuda.empty_cache()`: release every cached block of every device; returns the bytes
+/// released.
+#[no_mangle]
+pub extern "C" fn gpumem_empty_cache() -> u64 {
+    guard(0, || {
+        state()
+            .devices
+            .iter()
+            .filter_map(|d| d.get().and_then(|a| a.as_ref()))
+            .map(|a| a.empty_cache())
+            .sum()
+    })
+}
+
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; 0 on success, -1 on error.
+#[no_mangle]
+pub extern "C" fn gpumem_set_memory_fraction(fraction: f64, device: c_int) -> c_int {
+    guard(-1, || {
+        match allocator(device).map(|a| a.set_memory_fraction(fraction)) {
+            Some(Ok(())) => 0,
+            Some(Err(e)) => {
+                eprintln!("gpumem: {e}");
+                -1
+            }
+            None => -1,
+        }
+    })
+}
+
+/// Record that `stream` uses the block at `ptr` (`Tensor.record_stream`); 0 on success.
+#[no_mangle]
+pub extern "C" fn gpumem_record_stream(
+    ptr: *mut c_void,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    guard(-1, || match allocator(device) {
+        Some(a) => match a.record_stream_ptr(ptr as u64, Stream(stream as u64)) {
+            Ok(()) => 0,
+            Err(e) => {
+                log_once("record", || format!("record_stream of {ptr:?}: {e}"));
+                -1
+            }
+        },
+        None => -1,
+    })
+}
+
+/// `torch.cuda.reset_peak_memory_stats(device)`.
+#[no_mangle]
+pub extern "C" fn gpumem_reset_peak(device: c_int) {
+    guard((), || {
+        if let Some(a) = allocator(device) {
+            a.reset_peak();
+        }
+    })
+}
+
+/// The statistics of `device` as a JSON object with `torch.cuda.memory_stats()` key names
+/// (`"allocated_bytes.all.current"`, ...) plus gpumem's own and the refused-call counters.
+/// Free the string with [`gpumem_free_string`].
+#[no_mangle]
+pub extern "C" fn gpumem_stats_json(device: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || to_c(stats_json(device)))
+}
+
+/// The stats JSON (see [`gpumem_stats_json`]).
+pub fn stats_json(device: c_int) -> String {
+    let mut map: serde_json::Map<String, serde_json::Value> = serde_json::Map::new();
+    if let Some(a) = allocator(device) {
+        for (k, v) in a.stats().to_flat_map() {
+            map.insert(k, v.into());
+        }
+    }
+    let r = &state().refused;
+    for (k, v) in [
+        ("gpumem.bad_frees", &r.bad_frees),
+        ("gpumem.negative_sizes", &r.negative_sizes),
+        ("gpumem.bad_devices", &r.bad_devices),
+        ("gpumem.failed_allocs", &r.failed_allocs),
+        ("gpumem.zero_sizes", &r.zero_sizes),
+    ] {
+        map.insert(k.into(), v.load(Ordering::Relaxed).into());
+    }
+    serde_json::Value::Object(map).to_string()
+}
+
+/// `torch.cuda.memory_summary(device)`: a text table. Free with [`gpumem_free_string`].
+#[no_mangle]
+pub extern "C" fn gpumem_memory_summary(device: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        to_c(match allocator(device) {
+            Some(a) => a.memory_summary(),
+            None => format!("gpumem: device {device} is not initialised\n"),
+        })
+    })
+}
+
+/// Live allocations of `device` as JSON: `{"count", "bytes", "largest": [{"addr", "size",
+/// "requested"}, ... up to 20]}`. Free with [`gpumem_free_string`].
+#[no_mangle]
+pub extern "C" fn gpumem_leak_report(device: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || to_c(leak_report(device)))
+}
+
+/// The leak report JSON (see [`gpumem_leak_report`]).
+pub fn leak_report(device: c_int) -> String {
+    let mut live: Vec<(u64, u64, u64)> = allocator(device)
+        .map(|a| {
+            a.segments()
+                .iter()
+                .flat_map(|s| s.blocks.iter())
+                .filter(|b| b.allocated)
+                .map(|b| (b.addr, b.size, b.requested))
+                .collect()
+        })
+        .unwrap_or_default();
+    live.sort_by_key(|l| std::cmp::Reverse(l.2));
+    let bytes: u64 = live.iter().map(|l| l.2).sum();
+    let largest: Vec<serde_json::Value> = live
+        .iter()
+        .take(20)
+        .map(|&(addr, size, requested)| {
+            serde_json::json!({"addr": addr, "size": size, "requested": requested})
+        })
+        .collect();
+    serde_json::json!({"count": live.len(), "bytes": bytes, "largest": largest}).to_string()
+}
+
+/// Free a string returned by this library.
+///
+/// # Safety
+/// `s` must come from one of this library's string functions and not be freed before.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_free_string(s: *mut c_char) {
+    if !s.is_null() {
+        // SAFETY: the contract above: `s` came from `CString::into_raw` here.
+        drop(unsafe { CString::from_raw(s) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat(key: &str) -> u64 {
+        let v: serde_json::Value = serde_json::from_str(&stats_json(0)).unwrap();
+        v[key].as_u64().unwrap_or_else(|| panic!("no {key}"))
+    }
+
+    fn string(p: *mut c_char) -> String {
+        assert!(!p.is_null());
+        // SAFETY: a string this library returned, read then freed once.
+        let s = unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { gpumem_free_string(p) };
+        s
+    }
+
+    // one test: the library's state is process-wide
+    #[test]
+    fn the_c_abi_allocates_frees_reports_and_never_crashes_on_bad_calls() {
+        let s = std::ptr::null_mut();
+        let p = gpumem_alloc(1000, 0, s);
+        assert!(!p.is_null());
+        assert_eq!(stat("allocated_bytes.all.current"), 1024);
+        assert_eq!(stat("requested_bytes.all.current"), 1000);
+        let q = gpumem_alloc(3 << 20, 0, s);
+        assert!(!q.is_null());
+        assert!(string(gpumem_memory_summary(0)).contains("Allocated memory"));
+        let leaks: serde_json::Value =
+            serde_json::from_str(&string(gpumem_leak_report(0))).unwrap();
+        assert_eq!(leaks["count"], 2);
+        assert_eq!(leaks["bytes"], 1000 + (3 << 20));
+        assert_eq!(leaks["largest"][0]["requested"], 3 << 20);
+        gpumem_free(p, 1000, 0, s);
+        gpumem_free(q, 3 << 20, 0, s);
+        assert_eq!(stat("allocated_bytes.all.current"), 0);
+        // bad calls: counted, never a crash, the allocator stays usable
+        gpumem_free(p, 1000, 0, s); // double free
+        gpumem_free(0xdead_0000 as *mut c_void, 8, 0, s); // unknown pointer
+        assert_eq!(stat("gpumem.bad_frees"), 2);
+        assert!(gpumem_alloc(-5, 0, s).is_null());
+        assert_eq!(stat("gpumem.negative_sizes"), 1);
+        assert!(gpumem_alloc(0, 0, s).is_null());
+        assert_eq!(stat("gpumem.zero_sizes"), 1);
+        assert!(gpumem_alloc(64, 7, s).is_null()); // a device that does not exist
+        assert!(gpumem_alloc(64, -1, s).is_null());
+        gpumem_free(p, 64, 7, s);
+        assert_eq!(stat("gpumem.bad_devices"), 3);
+        assert_eq!(gpumem_set_memory_fraction(2.0, 0), -1);
+        assert_eq!(gpumem_record_stream(0x1234 as *mut c_void, 0, s), -1);
+        // an allocation past the budget fails with null after the cache was emptied
+        let big = gpumem_alloc(1 << 20, 0, s);
+        gpumem_free(big, 1 << 20, 0, s);
+        assert_eq!(gpumem_set_memory_fraction(1e-9, 0), 0);
+        assert!(gpumem_alloc(1 << 30, 0, s).is_null());
+        assert_eq!(stat("gpumem.failed_allocs"), 1);
+        assert_eq!(stat("num_ooms"), 1);
+        assert_eq!(gpumem_set_memory_fraction(1.0, 0), 0);
+        let ok = gpumem_alloc(4096, 0, s);
+        assert!(!ok.is_null());
+        gpumem_free(ok, 4096, 0, s);
+        gpumem_reset_peak(0);
+        assert_eq!(stat("allocated_bytes.all.peak"), 0);
+        gpumem_empty_cache();
+        assert_eq!(stat("reserved_bytes.all.current"), 0);
+    }
+}

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Real PyTorch workloads under PyTorch's allocator settings and under gpumem.
+
+    python scripts/bench_torch.py [--workloads gpt,varlen,resnet,kv,mixed]
+                                  [--settings native,expandable,async,gpumem] [--json out.json]
+
+Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
+`expandable` is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `async` is
+backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies). The table
+gives the median step time after warm-up, peak reserved / peak allocated bytes (the
+allocator's own memory_stats), and whether the losses are identical to native's.
+
+Workloads (seeded; bf16 autocast where training):
+  gpt     12-layer d=1024 decoder, batch 8 x 1024 tokens, AdamW
+  varlen  the same with a sequence length drawn per step (128..1024)
+  resnet  torchvision ResNet-50, batch 64, SGD (a ResNet-like stack if torchvision is missing)
+  kv      autoregressive decoding, 16 layers, KV caches grown with torch.cat (time: whole run)
+  mixed   many tiny tensors next to a few huge ones (a data-processing style loop)
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SETTINGS = {
+    "native": {},
+    "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    "gpumem": {},
+}
+WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed"]
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def decoder(torch, d=1024, layers=12, vocab=32000):
+    layer = torch.nn.TransformerEncoderLayer(
+        d, 16, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+    )
+    return torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(vocab, d),
+            "body": torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
+            "head": torch.nn.Linear(d, vocab),
+        }
+    ).cuda()
+
+
+def lm_step(torch, m, opt, x):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device="cuda")
+        h = m["body"](m["emb"](x), mask=mask, is_causal=True)
+        logits = m["head"](h)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)
+        )
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def run_gpt(torch, steps, varlen):
+    m = decoder(torch)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        seq = 64 * int(torch.randint(2, 17, (1,), generator=g)) if varlen else 1024
+        x = torch.randint(0, 32000, (8, seq), generator=g).cuda()
+        yield lm_step(torch, m, opt, x)
+
+
+def run_resnet(torch, steps):
+    try:
+        import torchvision
+
+        m = torchvision.models.resnet50().cuda()
+    except ImportError:
+        m = torch.nn.Sequential(
+            *[
+                torch.nn.Sequential(
+                    torch.nn.Conv2d(3 if i == 0 else 256, 256, 3, padding=1),
+                    torch.nn.BatchNorm2d(256),
+                    torch.nn.ReLU(),
+                )
+                for i in range(12)
+            ],
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(256, 1000),
+        ).cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(64, 3, 224, 224, generator=g).cuda()
+        y = torch.randint(0, 1000, (64,), generator=g).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
+
+
+def run_kv(torch, requests):
+    L, D, H = 16, 1024, 16
+    gw = torch.Generator().manual_seed(0)
+    w = [
+        {
+            k: (torch.randn(*s, generator=gw) * 0.02).to("cuda", torch.bfloat16)
+            for k, s in (("qkv", (D, 3 * D)), ("o", (D, D)), ("up", (D, 4 * D)), ("down", (4 * D, D)))
+        }
+        for _ in range(L)
+    ]
+    emb = (torch.randn(32000, D, generator=gw) * 0.02).to("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+
+    def layer(p, x, cache):
+        b, t, _ = x.shape
+        q, k, v = (x @ p["qkv"]).split(D, dim=-1)
+        q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
+        if cache is not None:
+            k = torch.cat([cache[0], k], dim=2)
+            v = torch.cat([cache[1], v], dim=2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
+        x = x + a.transpose(1, 2).reshape(b, t, D) @ p["o"]
+        x = x + torch.nn.functional.gelu(x @ p["up"]) @ p["down"]
+        return x, (k, v)
+
+    with torch.no_grad():
+        for _ in range(requests):
+            batch = int(torch.randint(4, 9, (1,), generator=g))
+            prompt = int(torch.randint(128, 896, (1,), generator=g))
+            new = int(torch.randint(96, 256, (1,), generator=g))
+            x = emb[torch.randint(0, 32000, (batch, prompt), generator=g).cuda()]
+            caches = []
+            for p in w:
+                x, c = layer(p, x, None)
+                caches.append(c)
+            nxt = (x[:, -1] @ emb.T).argmax(-1)
+            total = torch.zeros((), device="cuda")
+            for _ in range(new):
+                x = emb[nxt][:, None]
+                for i, p in enumerate(w):
+                    x, caches[i] = layer(p, x, caches[i])
+                logits = (x[:, -1] @ emb.T).float()
+                nxt = logits.argmax(-1)
+                total += logits.max(-1).values.sum()
+            del caches, x
+            yield total
+
+
+def run_mixed(torch, steps):
+    g = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        n = 4096 + 512 * int(torch.randint(0, 8, (1,), generator=g))
+        big = torch.randn(n, n, generator=g).cuda()  # 64-128 MiB
+        acc = torch.zeros((), device="cuda")
+        for i in range(400):
+            t = torch.randn(1 + (i % 97) * 13, device="cuda")
+            acc += (t * t).sum()
+        prod = big @ big.T  # a huge temporary
+        acc += prod.diagonal().sum() * 1e-9
+        del big, prod
+        yield acc
+
+
+def worker(workload, setting, steps):
+    if setting == "gpumem":
+        import gpumem_torch
+
+        gpumem_torch.install()
+    import torch
+
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    gen = {
+        "gpt": lambda: run_gpt(torch, steps, False),
+        "varlen": lambda: run_gpt(torch, steps, True),
+        "resnet": lambda: run_resnet(torch, steps),
+        "kv": lambda: run_kv(torch, 3),
+        "mixed": lambda: run_mixed(torch, steps),
+    }[workload]()
+    times, losses = [], []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    t = start
+    for loss in gen:
+        losses.append(float(loss))
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        times.append((now - t) * 1e3)
+        t = now
+    total = (time.perf_counter() - start) * 1e3
+    if setting == "gpumem":
+        import gpumem_torch
+
+        stats = gpumem_torch.memory_stats()
+    else:
+        stats = torch.cuda.memory_stats()
+    warm = min(3, len(times) - 1)
+    out = {
+        "workload": workload,
+        "setting": setting,
+        "step_ms": statistics.median(times[warm:]) if workload != "kv" else total,
+        "total_ms": total,
+        "steps": len(times),
+        "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
+        "losses": losses,
+    }
+    if setting == "gpumem":
+        out["gpumem"] = {
+            k: stats.get(k, 0)
+            for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms")
+        }
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------- driver
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", help="write all results here")
+    p.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "SETTING"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.worker[0], a.worker[1], a.steps)
+        return 0
+    here = os.path.dirname(os.path.abspath(__file__))
+    results = []
+    for w in a.workloads.split(","):
+        for s in a.settings.split(","):
+            env = dict(os.environ)
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            env.update(SETTINGS[s])
+            env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+            if s == "gpumem":
+                pkg = os.path.join(here, "..", "python", "gpumem_torch")
+                env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", w, s, "--steps", str(a.steps)]
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+            if r.returncode != 0 or not line:
+                print(f"{w}/{s} failed (exit {r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+                results.append({"workload": w, "setting": s, "error": r.stderr[-2000:]})
+                continue
+            res = json.loads(line[-1][len("RESULT "):])
+            results.append(res)
+            print(
+                f"  {w:<7} {s:<11} step {res['step_ms']:9.2f} ms  ratio "
+                f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(f"{'workload':<8} {'setting':<11} {'step ms':>10} {'vs native':>9} "
+          f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses")
+    for w in a.workloads.split(","):
+        base = next((r for r in results if r["workload"] == w and r["setting"] == "native" and "error" not in r), None)
+        for r in (r for r in results if r["workload"] == w):
+            if "error" in r:
+                print(f"{w:<8} {r['setting']:<11} failed")
+                continue
+            rel = r["step_ms"] / base["step_ms"] if base else float("nan")
+            same = "identical" if base and r["losses"] == base["losses"] else (
+                "n/a" if not base else
+                f"max rel diff {max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r['losses'], base['losses'])):.1e}")
+            print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
+                  f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
+                  f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
