@@ -6,7 +6,8 @@
 
 Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
 `expandable` is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `async` is
-backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies). The table
+backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies), and
+`gpumem_tight` is gpumem with expandable_move_budget:0 (pages move whatever it costs). The table
 gives the median step time after warm-up, peak reserved / peak allocated bytes (the
 allocator's own memory_stats), and whether the losses are identical to native's.
 
@@ -30,6 +31,8 @@ SETTINGS = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     "gpumem": {},
+    # page moves unbudgeted: the tightest memory, at the cost of driver time
+    "gpumem_tight": {"GPUMEM_CONF": "expandable_move_budget:0"},
 }
 WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed"]
 
@@ -170,7 +173,7 @@ def run_mixed(torch, steps):
 
 
 def worker(workload, setting, steps):
-    if setting == "gpumem":
+    if setting.startswith("gpumem"):
         import gpumem_torch
 
         gpumem_torch.install()
@@ -197,7 +200,7 @@ def worker(workload, setting, steps):
         times.append((now - t) * 1e3)
         t = now
     total = (time.perf_counter() - start) * 1e3
-    if setting == "gpumem":
+    if setting.startswith("gpumem"):
         import gpumem_torch
 
         stats = gpumem_torch.memory_stats()
@@ -214,10 +217,11 @@ def worker(workload, setting, steps):
         "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
         "losses": losses,
     }
-    if setting == "gpumem":
+    if setting.startswith("gpumem"):
         out["gpumem"] = {
             k: stats.get(k, 0)
-            for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms")
+            for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms",
+                      "mapped_bytes", "unmapped_bytes")
         }
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -244,7 +248,7 @@ def main():
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             env.update(SETTINGS[s])
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-            if s == "gpumem":
+            if s.startswith("gpumem"):
                 pkg = os.path.join(here, "..", "python", "gpumem_torch")
                 env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", w, s, "--steps", str(a.steps)]

@@ -15,6 +15,7 @@
 //! | `quick_cache` | 0..=256 | recently freed blocks kept per shard for exact-size reuse before coalescing |
 //! | `cross_stream_reuse` | bool | let a stream take a wholly free segment cached by another stream, ordered by an event wait |
 //! | `expandable_segments` | bool | virtual-memory segments where the device has them (PyTorch's name; gpumem's default is on) |
+//! | `expandable_move_budget` | 0 ≤ b < 1 | share of wall time the pool may spend moving pages (mapping and unmapping) before it keeps more pages cached instead; 0 = no limit |
 //! | `expandable_slack` | 0 ≤ s < 1 | cached pages kept mapped beyond the peak of allocated bytes, as a fraction of it, before free pages are moved instead of new ones mapped |
 
 use crate::error::{Error, Result};
@@ -84,6 +85,8 @@ pub struct Config {
     /// Mapped bytes allowed beyond the peak of allocated bytes (a fraction of it) before free
     /// pages are unmapped and reused rather than new ones mapped.
     pub expandable_slack: f64,
+    /// Share of wall time page moves may take before the slack grows; 0 = no limit.
+    pub expandable_move_budget: f64,
 }
 
 impl Default for Config {
@@ -101,6 +104,7 @@ impl Default for Config {
             cross_stream_reuse: true,
             expandable_segments: true,
             expandable_slack: 0.002,
+            expandable_move_budget: 0.01,
         }
     }
 }
@@ -288,6 +292,13 @@ impl Config {
                 }
                 "cross_stream_reuse" => self.cross_stream_reuse = parse_bool(key, value)?,
                 "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
+                "expandable_move_budget" => {
+                    let f = parse_f64(key, value)?;
+                    if !(0.0..1.0).contains(&f) {
+                        return Err(bad(key, value, "must be in [0, 1)"));
+                    }
+                    self.expandable_move_budget = f;
+                }
                 "expandable_slack" => {
                     let f = parse_f64(key, value)?;
                     if !(0.0..1.0).contains(&f) {
@@ -300,7 +311,7 @@ impl Config {
                         "unknown key `{key}` (known: max_split_size_mb, roundup_power2_divisions, \
                          garbage_collection_threshold, backend, memory_fraction, memory_limit_mb, \
                          release_threshold_mb, shards, quick_cache, cross_stream_reuse, \
-                         expandable_segments, expandable_slack)"
+                         expandable_segments, expandable_slack, expandable_move_budget)"
                     )))
                 }
             }

@@ -430,6 +430,9 @@ fn run(
 ) -> Result<(u64, crate::Stats, String)> {
     let mut config = config.clone();
     config.shards = Some(1);
+    // a replay has no kernels, hence no clock to hold page moves against: it shows where
+    // moving pages takes the memory (see `expandable_move_budget`)
+    config.expandable_move_budget = 0.0;
     let backend_name = backend.name().to_string();
     let alloc = CachingAllocator::new(backend, config)?;
     let mut live: FxHashMap<u64, Allocation> = FxHashMap::default();

@@ -267,6 +267,7 @@ struct Policy {
     /// page size of expandable segments; `None` = classic segments
     page: Option<u64>,
     slack: f64,
+    move_budget: f64,
 }
 
 /// One shard of the caching allocator. Not thread-safe by itself: the allocator puts each
@@ -309,7 +310,8 @@ pub struct CachingPool {
 /// page and call on an H100) and sometimes a wait for a stream; a workload whose sizes never
 /// settle (random sizes, say) would move pages on a good share of its allocations. Each window
 /// of [`Churn::WINDOW`] allocations in which more than [`Churn::HIGH`] moved pages (and the
-/// peak of allocated bytes did not grow by more than 1%) doubles the
+/// peak of allocated bytes did not grow by more than 1%), or in which moving pages took more
+/// than `expandable_move_budget` of the wall time, doubles the
 /// slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the pool is practically
 /// PyTorch's expandable segments: pages are mapped as it grows and kept); `empty_cache` starts
 /// over. Workloads that repeat (training steps) or grow slowly (decoding) stay at the
@@ -321,6 +323,10 @@ struct Churn {
     level: u32,
     /// peak allocated bytes when the window started
     peak: u64,
+    /// when the window started
+    start: Option<Instant>,
+    /// time spent moving pages in this window
+    move_ns: u64,
 }
 
 impl Churn {
@@ -328,20 +334,28 @@ impl Churn {
     const HIGH: u32 = 16;
     const MAX_LEVEL: u32 = 8;
 
-    /// Count one allocation; true when the level went up.
+    /// Count one allocation; true when the level went up. `budget`: the share of wall time
+    /// moves may take (0 = no limit).
     #[inline]
-    fn tick(&mut self, peak_allocated: u64) -> bool {
+    fn tick(&mut self, peak_allocated: u64, budget: f64) -> bool {
         self.allocs += 1;
         let before = self.level;
         if self.allocs >= Self::WINDOW {
             // moves while the peak grows are the pool filling up (a first training step), not
             // churn
             let grew = peak_allocated > self.peak + self.peak / 100;
-            if self.moves > Self::HIGH && !grew {
+            let now = Instant::now();
+            let wall = self
+                .start
+                .map_or(0, |s| now.duration_since(s).as_nanos() as u64);
+            let costly = budget > 0.0 && self.move_ns as f64 > budget * wall as f64;
+            if (self.moves > Self::HIGH && !grew) || costly {
                 self.level = (self.level + 1).min(Self::MAX_LEVEL);
             }
             self.allocs = 0;
             self.moves = 0;
+            self.move_ns = 0;
+            self.start = Some(now);
             self.peak = peak_allocated;
         }
         self.level > before
@@ -385,6 +399,7 @@ impl CachingPool {
                 cross_stream: config.cross_stream_reuse,
                 page,
                 slack: config.expandable_slack,
+                move_budget: config.expandable_move_budget,
             },
             shared,
             capacity,
@@ -608,7 +623,10 @@ impl CachingPool {
             },
         };
         self.split(id, size);
-        if self.churn.tick(self.peak_allocated) {
+        if self
+            .churn
+            .tick(self.peak_allocated, self.policy.move_budget)
+        {
             self.shared
                 .churn_level
                 .fetch_max(self.churn.level, Ordering::Relaxed);
@@ -709,7 +727,9 @@ impl CachingPool {
         let slack = self.policy.slack * f64::from(1u32 << level);
         let allowance = (self.peak_allocated as f64 * (1.0 + slack)) as u64;
         let reserved = self.stats.reserved();
-        if reserved + need > allowance {
+        let moving = reserved + need > allowance;
+        let started = moving.then(Instant::now);
+        if moving {
             self.churn.moves += 1;
             self.reclaim_pages(Some(stream), reserved + need - allowance);
         }
@@ -731,6 +751,9 @@ impl CachingPool {
                 Err(e) if e.is_out_of_memory() => return Err(self.oom_error(size, need)),
                 Err(e) => return Err(e),
             }
+        }
+        if let Some(t) = started {
+            self.churn.move_ns += t.elapsed().as_nanos() as u64;
         }
         Ok(need)
     }
