@@ -273,30 +273,22 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
                 peak_live = peak_live.max(live);
             }
             Action::FreeCompleted => live = live.saturating_sub(e.size),
-            Action::SegmentAlloc => {
+            Action::SegmentAlloc | Action::SegmentMap => {
                 reserved += e.size;
-                segs += 1;
+                if e.action == Action::SegmentAlloc {
+                    segs += 1;
+                }
                 calls += 1;
                 if reserved > peak_reserved {
                     peak_reserved = reserved;
                     segs_at_peak = segs;
                 }
             }
-            Action::SegmentFree => {
+            Action::SegmentFree | Action::SegmentUnmap => {
                 reserved = reserved.saturating_sub(e.size);
-                segs = segs.saturating_sub(1);
-                calls += 1;
-            }
-            Action::SegmentMap => {
-                reserved += e.size;
-                calls += 1;
-                if reserved > peak_reserved {
-                    peak_reserved = reserved;
-                    segs_at_peak = segs;
+                if e.action == Action::SegmentFree {
+                    segs = segs.saturating_sub(1);
                 }
-            }
-            Action::SegmentUnmap => {
-                reserved = reserved.saturating_sub(e.size);
                 calls += 1;
             }
             Action::FreeRequested | Action::Snapshot | Action::Oom => {}

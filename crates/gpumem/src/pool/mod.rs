@@ -668,18 +668,38 @@ impl CachingPool {
                 what: format!("reserved address {addr:#x} is not page-aligned"),
             });
         }
+        let id = self.install_segment(
+            addr,
+            va,
+            stream,
+            kind,
+            Some(Box::new(Pages::new(va / page))),
+        );
+        Ok(id)
+    }
+
+    /// Register a new segment of `size` bytes at `addr` whose single block is taken (not in
+    /// any free set); counts the segment. Returns the block.
+    fn install_segment(
+        &mut self,
+        addr: u64,
+        size: u64,
+        stream: Stream,
+        kind: PoolKind,
+        pages: Option<Box<Pages>>,
+    ) -> u32 {
         let seg = self.new_segment(Segment {
             addr,
-            size: va,
+            size,
             stream,
             kind,
             head: NIL,
             last_used: self.tick,
-            pages: Some(Box::new(Pages::new(va / page))),
+            pages,
         });
         let id = self.new_block(Block {
             addr,
-            size: va,
+            size,
             requested: 0,
             rounded: 0,
             stream,
@@ -695,7 +715,7 @@ impl CachingPool {
         self.segment_index.insert(addr, seg);
         self.register_stream(stream);
         self.stats.segment.inc(kind, 1);
-        Ok(id)
+        id
     }
 
     /// Map the unmapped pages under block `id` (taken, not free); returns the bytes mapped.
@@ -1105,33 +1125,7 @@ impl CachingPool {
                 what: format!("segment at {addr:#x} is not {MAX_ALIGN}-byte aligned"),
             });
         }
-        let seg = self.new_segment(Segment {
-            addr,
-            size: seg_size,
-            stream,
-            kind,
-            head: NIL,
-            last_used: self.tick,
-            pages: None,
-        });
-        let id = self.new_block(Block {
-            addr,
-            size: seg_size,
-            requested: 0,
-            rounded: 0,
-            stream,
-            segment: seg,
-            prev: NIL,
-            next: NIL,
-            state: State::Allocated,
-            kind,
-            uses: None,
-            tracked: false,
-        });
-        self.segments[seg as usize].head = id;
-        self.segment_index.insert(addr, seg);
-        self.register_stream(stream);
-        self.stats.segment.inc(kind, 1);
+        let id = self.install_segment(addr, seg_size, stream, kind, None);
         self.stats.reserved_bytes.inc(kind, seg_size);
         self.stats.num_device_alloc += 1;
         self.record(Action::SegmentAlloc, addr, seg_size, stream);
