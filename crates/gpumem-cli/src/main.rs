@@ -1,6 +1,7 @@
 //! The `gpumem` command line.
 
 mod bench;
+mod transfer_bench;
 mod viz;
 
 use bench::{Plan, Row};
@@ -106,6 +107,26 @@ enum BenchWhat {
         #[arg(long)]
         host: bool,
         /// gpumem configuration (as GPUMEM_CONF); defaults to GPUMEM_CONF or the defaults.
+        #[arg(long)]
+        conf: Option<String>,
+    },
+    /// Copy bandwidth of every host↔device path (pageable raw, pageable staged, pinned,
+    /// device↔device, managed prefetch) for sizes 64 KiB … 1 GiB, and pinned alloc+free cost.
+    Transfer {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Largest size in MiB (sizes are 64 KiB, 1, 16, 64, 256, 1024 MiB up to this).
+        #[arg(long, default_value_t = 1024)]
+        max_mib: usize,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Force the host backend even where a GPU is present.
+        #[arg(long)]
+        host: bool,
+        /// gpumem configuration (staging_lanes, staging_chunk_kb, ...); defaults to
+        /// GPUMEM_CONF or the defaults.
         #[arg(long)]
         conf: Option<String>,
     },
@@ -259,6 +280,64 @@ fn bench_alloc(a: AllocArgs) -> Result<(), String> {
                 one.mean_ns_per_op
             );
         }
+    }
+    Ok(())
+}
+
+fn bench_transfer(
+    json: bool,
+    max_mib: usize,
+    device: usize,
+    host: bool,
+    conf: Option<String>,
+) -> Result<(), String> {
+    let config = match &conf {
+        Some(s) => Config::parse(s),
+        None => Config::from_env(),
+    }
+    .map_err(|e| e.to_string())?;
+    let sizes: Vec<usize> = [
+        64usize << 10,
+        1 << 20,
+        16 << 20,
+        64 << 20,
+        256 << 20,
+        1 << 30,
+    ]
+    .into_iter()
+    .filter(|&s| s <= (max_mib << 20).max(64 << 10))
+    .collect();
+    let gpu = !host && gpumem::device::cuda_available();
+    let (alloc, name) = if gpu {
+        #[cfg(feature = "cuda")]
+        {
+            let name = gpumem::device::devices()
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .find(|d| d.ordinal == device)
+                .map(|d| format!("{} (device {})", d.name, d.ordinal))
+                .ok_or_else(|| format!("no CUDA device {device}"))?;
+            (
+                gpumem::CachingAllocator::cuda(device, config).map_err(|e| e.to_string())?,
+                name,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err("built without the cuda feature".into());
+    } else {
+        (
+            gpumem::CachingAllocator::host(config).map_err(|e| e.to_string())?,
+            "host (no GPU: copies are memcpy)".to_string(),
+        )
+    };
+    let out = transfer_bench::run(&alloc, name, &sizes, json)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&out).map_err(|e| e.to_string())?
+        );
+    } else {
+        transfer_bench::print(&out);
     }
     Ok(())
 }
@@ -481,6 +560,16 @@ fn main() -> ExitCode {
             host,
             conf,
         }),
+        Command::Bench {
+            what:
+                BenchWhat::Transfer {
+                    json,
+                    max_mib,
+                    device,
+                    host,
+                    conf,
+                },
+        } => bench_transfer(json, max_mib, device, host, conf),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

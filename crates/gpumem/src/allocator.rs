@@ -8,11 +8,13 @@
 use crate::adaptor::Limit;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::pool::pinned::PinnedPool;
 use crate::pool::summary::memory_summary;
 use crate::pool::{CachingPool, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
 use crate::resource::host::HostResource;
 use crate::resource::sim::SimulatedDevice;
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
+use crate::transfer::{StagingConfig, TransferEngine};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -41,6 +43,8 @@ struct Inner {
     shards: Box<[Padded<Mutex<CachingPool>>]>,
     shared: Arc<SharedCounters>,
     config: Config,
+    /// made on first use: staging for copies from and to ordinary host memory
+    transfer: std::sync::OnceLock<TransferEngine>,
 }
 
 /// A block handed out by [`CachingAllocator::allocate`]. Give it back with
@@ -113,6 +117,7 @@ impl CachingAllocator {
                 shared,
                 config,
                 limit,
+                transfer: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -399,6 +404,37 @@ impl CachingAllocator {
     /// The backend (with its budget adaptor, if any).
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.inner.backend
+    }
+
+    /// The transfer engine for this allocator's device (made on first use, with a pinned pool
+    /// of cuMemHostAlloc memory on a GPU, plain host memory on the host backend).
+    pub fn transfer_engine(&self) -> Result<&TransferEngine> {
+        if let Some(e) = self.inner.transfer.get() {
+            return Ok(e);
+        }
+        let pinned = match self.inner.backend.location() {
+            Location::Host => PinnedPool::host(),
+            #[cfg(feature = "cuda")]
+            Location::Cuda(ordinal) => PinnedPool::cuda(ordinal)?,
+            other => {
+                return Err(Error::Unsupported {
+                    backend: self.inner.backend.name().to_string(),
+                    what: format!("host copies ({other:?} memory)"),
+                })
+            }
+        };
+        let engine = TransferEngine::new(
+            self.inner.backend.clone(),
+            pinned,
+            StagingConfig::from_config(&self.inner.config),
+        );
+        // a racing thread may have set one first: either is fine, ours is then dropped
+        Ok(self.inner.transfer.get_or_init(|| engine))
+    }
+
+    /// The pinned host pool of this allocator's transfer engine.
+    pub fn pinned_pool(&self) -> Result<&PinnedPool> {
+        Ok(self.transfer_engine()?.pinned_pool())
     }
 
     /// The configuration in force.

@@ -87,6 +87,13 @@ pub struct Config {
     pub expandable_slack: f64,
     /// Share of wall time page moves may take before the slack grows; 0 = no limit.
     pub expandable_move_budget: f64,
+    /// Lanes (threads with a copy stream each) of staged host copies; `None` = one per core,
+    /// at most 4.
+    pub staging_lanes: Option<usize>,
+    /// Bytes per pinned staging chunk.
+    pub staging_chunk: u64,
+    /// Smallest host copy that is staged (smaller ones are one driver copy).
+    pub staging_min: u64,
 }
 
 impl Default for Config {
@@ -105,6 +112,9 @@ impl Default for Config {
             expandable_segments: true,
             expandable_slack: 0.002,
             expandable_move_budget: 0.01,
+            staging_lanes: None,
+            staging_chunk: 4 * MIB,
+            staging_min: MIB,
         }
     }
 }
@@ -306,12 +316,34 @@ impl Config {
                     }
                     self.expandable_slack = f;
                 }
+                "staging_lanes" => {
+                    self.staging_lanes = if value == "auto" {
+                        None
+                    } else {
+                        let n = parse_u64(key, value)? as usize;
+                        if n == 0 || n > 64 {
+                            return Err(bad(key, value, "expected auto or 1..=64"));
+                        }
+                        Some(n)
+                    }
+                }
+                "staging_chunk_kb" => {
+                    let kb = parse_u64(key, value)?;
+                    if !(4..=1 << 20).contains(&kb) {
+                        return Err(bad(key, value, "expected 4..=1048576 (KiB)"));
+                    }
+                    self.staging_chunk = kb * 1024;
+                }
+                "staging_min_kb" => {
+                    self.staging_min = parse_u64(key, value)?.saturating_mul(1024);
+                }
                 _ => {
                     return Err(Error::Config(format!(
                         "unknown key `{key}` (known: max_split_size_mb, roundup_power2_divisions, \
                          garbage_collection_threshold, backend, memory_fraction, memory_limit_mb, \
                          release_threshold_mb, shards, quick_cache, cross_stream_reuse, \
-                         expandable_segments, expandable_slack, expandable_move_budget)"
+                         expandable_segments, expandable_slack, expandable_move_budget, \
+                         staging_lanes, staging_chunk_kb, staging_min_kb)"
                     )))
                 }
             }

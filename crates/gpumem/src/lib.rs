@@ -5,7 +5,8 @@
 //!    simulated device) behind one stream-first trait;
 //! 2. [`pool`]: the caching policy, pure Rust with no CUDA calls;
 //! 3. [`adaptor`]: budgets and leak tracking that wrap any resource;
-//! 4. [`buffer`]: typed RAII buffers ([`DeviceBuffer`]);
+//! 4. [`buffer`]: typed RAII buffers ([`DeviceBuffer`], [`PinnedBuffer`]) and the
+//!    [`transfer`] engine that moves their bytes;
 //! 5. front ends: the [`CachingAllocator`] here, the `gpumem` CLI.
 //!
 //! ```
@@ -30,14 +31,18 @@ pub mod error;
 pub mod pool;
 pub mod resource;
 pub mod trace;
+pub mod transfer;
 pub mod workload;
 
 pub use allocator::{Allocation, CachingAllocator};
+pub use buffer::pinned::{PinnedBuffer, PinnedHost, PinnedRegistration};
 #[cfg(feature = "cuda")]
 pub use buffer::{CudarcView, CudarcViewMut};
 pub use buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use config::Config;
 pub use device::DeviceInfo;
 pub use error::{Error, OomReport, Result};
+pub use pool::pinned::{PinnedPool, PinnedStats};
 pub use pool::stats::Stats;
 pub use resource::{Backend, DevPtr, Location, Resource, Stream, StreamOps};
+pub use transfer::{StagingConfig, Transfer, TransferEngine};

@@ -41,6 +41,14 @@ macro_rules! forward_stream_ops {
                 let $s = self;
                 $inner.destroy_event(event)
             }
+            fn create_stream(&self) -> $crate::error::Result<$crate::resource::Stream> {
+                let $s = self;
+                $inner.create_stream()
+            }
+            fn destroy_stream(&self, stream: $crate::resource::Stream) {
+                let $s = self;
+                $inner.destroy_stream(stream)
+            }
             fn synchronize(&self, stream: $crate::resource::Stream) -> $crate::error::Result<()> {
                 let $s = self;
                 $inner.synchronize(stream)

@@ -6,13 +6,17 @@
 //! kernel arguments (`stream.launch_builder(&f).arg(&buf)`): launch on the buffer's stream, or
 //! call [`DeviceBuffer::record_stream`] for another stream.
 
+pub mod pinned;
+
 use crate::allocator::{Allocation, CachingAllocator};
+use crate::buffer::pinned::PinnedHost;
 use crate::error::{Error, Result};
 use crate::pool::MAX_ALIGN;
 use crate::resource::{CopyKind, DevPtr, Stream, StreamOps};
+use crate::transfer::Transfer;
 use bytemuck::Pod;
 use std::marker::PhantomData;
-use std::ops::{Bound, RangeBounds};
+use std::ops::{Bound, Range, RangeBounds};
 
 /// A typed buffer in pool memory.
 pub struct DeviceBuffer<T: Pod> {
@@ -79,49 +83,52 @@ fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)>
     }
 }
 
-/// Device → host copy of `dst.len()` elements at `src`, waiting for it to finish.
+/// Device → host copy of `dst.len()` elements at `src` through the allocator's transfer
+/// engine; returns once `dst` holds them.
 fn read_into<T: Pod>(
-    ops: &dyn StreamOps,
+    alloc: &CachingAllocator,
     stream: Stream,
     src: DevPtr,
     dst: &mut [T],
+    how: Transfer,
 ) -> Result<()> {
     if dst.is_empty() {
         return Ok(());
     }
-    let bytes = std::mem::size_of_val(dst);
-    // SAFETY: `src` addresses at least `bytes` bytes of a live block (callers check bounds);
-    // `dst` is a unique borrow of exactly `bytes` bytes and we synchronise before returning.
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst);
+    // SAFETY: `src` addresses at least `bytes.len()` bytes of a live block (callers check
+    // bounds) that the caller's borrow keeps from being written meanwhile.
     unsafe {
-        ops.copy(
-            dst.as_mut_ptr() as DevPtr,
-            src,
-            bytes,
-            CopyKind::DeviceToHost,
-            stream,
-        )?;
+        alloc
+            .transfer_engine()?
+            .device_to_host(bytes, src, stream, how)
     }
-    ops.synchronize(stream)
 }
 
-/// Host → device copy of `src` to `dst`, waiting for it to finish.
-fn write_from<T: Pod>(ops: &dyn StreamOps, stream: Stream, dst: DevPtr, src: &[T]) -> Result<()> {
+/// Host → device copy of `src` to `dst` through the allocator's transfer engine.
+fn write_from<T: Pod>(
+    alloc: &CachingAllocator,
+    stream: Stream,
+    dst: DevPtr,
+    src: &[T],
+    how: Transfer,
+) -> Result<()> {
     if src.is_empty() {
         return Ok(());
     }
-    let bytes = std::mem::size_of_val(src);
-    // SAFETY: `dst` addresses at least `bytes` bytes of a live block the caller borrows
-    // mutably; `src` is borrowed for the call and we synchronise before returning.
+    // SAFETY: `dst` addresses at least `size_of_val(src)` bytes of a live block the caller
+    // borrows mutably; the block stays allocated in stream order after the copy.
     unsafe {
-        ops.copy(
-            dst,
-            src.as_ptr() as DevPtr,
-            bytes,
-            CopyKind::HostToDevice,
-            stream,
-        )?;
+        alloc
+            .transfer_engine()?
+            .host_to_device(dst, bytemuck::cast_slice(src), stream, how)
     }
-    ops.synchronize(stream)
+}
+
+/// Check `range` against `len` and return it as (start, len).
+fn span(range: Range<usize>, len: usize) -> Result<(usize, usize)> {
+    let (s, e) = resolve(range, len)?;
+    Ok((s, e - s))
 }
 
 fn check_len(expected: usize, got: usize) -> Result<()> {
@@ -202,16 +209,104 @@ impl<T: Pod> DeviceBuffer<T> {
         &self.alloc
     }
 
-    /// Copy `src` (same length) in and wait for the copy.
+    /// Copy `src` (same length) in and wait for the copy ([`Transfer::Auto`]: large copies
+    /// are staged through pinned memory).
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
-        check_len(self.len, src.len())?;
-        write_from(self.ops(), self.stream, self.ptr, src)
+        self.copy_from_host_with(src, Transfer::Auto)
     }
 
-    /// Copy the contents out to `dst` (same length) and wait for the copy.
+    /// Copy the contents out to `dst` (same length) and wait for the copy
+    /// ([`Transfer::Auto`]).
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.copy_to_host_with(dst, Transfer::Auto)
+    }
+
+    /// Copy `src` (same length, ordinary host memory) in the way `how` names. Every strategy
+    /// returns once `src` is no longer needed; [`Transfer::Async`] does not wait for the
+    /// device (later work on the buffer's stream sees the data).
+    pub fn copy_from_host_with(&mut self, src: &[T], how: Transfer) -> Result<()> {
+        check_len(self.len, src.len())?;
+        write_from(&self.alloc, self.stream, self.ptr, src, how)
+    }
+
+    /// Copy the contents out to `dst` (same length) the way `how` names; returns once `dst`
+    /// holds them.
+    pub fn copy_to_host_with(&self, dst: &mut [T], how: Transfer) -> Result<()> {
         check_len(self.len, dst.len())?;
-        read_into(self.ops(), self.stream, self.ptr, dst)
+        read_into(&self.alloc, self.stream, self.ptr, dst, how)
+    }
+
+    /// Queue a copy of pinned `src` (same length) in on the buffer's stream; returns at once.
+    /// `src` remembers the copy: writing it waits until the copy has read it.
+    pub fn copy_from_pinned<P: PinnedHost<T>>(&mut self, src: &P) -> Result<()> {
+        check_len(self.len, src.len())?;
+        self.copy_range_from_pinned(0, src, 0..src.len())
+    }
+
+    /// Queue a copy of the contents out to pinned `dst` (same length) on the buffer's stream;
+    /// returns at once. Reading `dst` waits until the copy has landed.
+    pub fn copy_to_pinned<P: PinnedHost<T>>(&self, dst: &mut P) -> Result<()> {
+        check_len(self.len, dst.len())?;
+        self.copy_range_to_pinned(0..self.len, dst, 0)
+    }
+
+    /// Queue a copy of `src[src_range]` to this buffer from element `dst_start` on.
+    pub fn copy_range_from_pinned<P: PinnedHost<T>>(
+        &mut self,
+        dst_start: usize,
+        src: &P,
+        src_range: Range<usize>,
+    ) -> Result<()> {
+        let (s, n) = span(src_range, src.len())?;
+        let (d, _) = span(dst_start..dst_start.saturating_add(n), self.len)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let size = std::mem::size_of::<T>();
+        // copies that write `src` (on other streams) land before this one reads it
+        src.uses().order_before(src.host_ops(), self.stream)?;
+        // SAFETY: both ranges are bounds-checked; `src` is pinned host memory that stays
+        // allocated (and unwritten, see `PinnedHost`) until the event recorded below completes;
+        // the device range is ours (`&mut self`).
+        unsafe {
+            self.ops().copy(
+                self.ptr + (d * size) as u64,
+                src.host_ptr() + (s * size) as u64,
+                n * size,
+                CopyKind::HostToDevice,
+                self.stream,
+            )?
+        };
+        src.uses().record(src.host_ops(), self.stream, false)
+    }
+
+    /// Queue a copy of this buffer's `src_range` to `dst` from element `dst_start` on.
+    pub fn copy_range_to_pinned<P: PinnedHost<T>>(
+        &self,
+        src_range: Range<usize>,
+        dst: &mut P,
+        dst_start: usize,
+    ) -> Result<()> {
+        let (s, n) = span(src_range, self.len)?;
+        let (d, _) = span(dst_start..dst_start.saturating_add(n), dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let size = std::mem::size_of::<T>();
+        // copies that read or write `dst` (on other streams) complete before this one writes
+        dst.uses().order_before(dst.host_ops(), self.stream)?;
+        // SAFETY: both ranges are bounds-checked; `dst` is pinned host memory borrowed
+        // mutably, and host reads of it wait for the event recorded below.
+        unsafe {
+            self.ops().copy(
+                dst.host_ptr() + (d * size) as u64,
+                self.ptr + (s * size) as u64,
+                n * size,
+                CopyKind::DeviceToHost,
+                self.stream,
+            )?
+        };
+        dst.uses().record(dst.host_ops(), self.stream, true)
     }
 
     /// Queue a copy of `src` in on the buffer's stream and return at once.
@@ -374,8 +469,12 @@ impl<T: Pod> DeviceSlice<'_, T> {
     }
     /// Copy out to `dst` (same length) and wait.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.copy_to_host_with(dst, Transfer::Auto)
+    }
+    /// Copy out to `dst` (same length) the way `how` names; returns once `dst` holds them.
+    pub fn copy_to_host_with(&self, dst: &mut [T], how: Transfer) -> Result<()> {
         check_len(self.len, dst.len())?;
-        read_into(self.buf.ops(), self.buf.stream, self.ptr, dst)
+        read_into(&self.buf.alloc, self.buf.stream, self.ptr, dst, how)
     }
     /// The contents as a `Vec`.
     pub fn to_vec(&self) -> Result<Vec<T>> {
@@ -409,11 +508,49 @@ impl<T: Pod> DeviceSliceMut<'_, T> {
     /// Copy `src` (same length) in and wait.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         check_len(self.len, src.len())?;
-        write_from(self.buf.ops(), self.buf.stream, self.ptr, src)
+        write_from(
+            &self.buf.alloc,
+            self.buf.stream,
+            self.ptr,
+            src,
+            Transfer::Auto,
+        )
     }
     /// Copy out to `dst` (same length) and wait.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         self.as_slice().copy_to_host(dst)
+    }
+    /// Copy `src` (same length) in the way `how` names.
+    pub fn copy_from_host_with(&mut self, src: &[T], how: Transfer) -> Result<()> {
+        check_len(self.len, src.len())?;
+        write_from(&self.buf.alloc, self.buf.stream, self.ptr, src, how)
+    }
+    /// Copy another buffer's elements (same length) in, device to device, on this buffer's
+    /// stream, ordered after `src`'s stream.
+    pub fn copy_from_device(&mut self, src: &DeviceSlice<'_, T>) -> Result<()> {
+        check_len(self.len, src.len)?;
+        if self.len == 0 {
+            return Ok(());
+        }
+        let (stream, ops) = (self.buf.stream, self.buf.ops());
+        if src.buf.stream != stream {
+            let ev = ops.record_event(src.buf.stream)?;
+            let r = ops.wait_event(stream, ev);
+            ops.destroy_event(ev);
+            r?;
+            src.buf.record_stream(stream)?;
+        }
+        // SAFETY: both views are bounds-checked parts of live blocks; `self` borrows its
+        // buffer mutably and `src` another buffer shared, so the ranges do not overlap.
+        unsafe {
+            ops.copy(
+                self.ptr,
+                src.ptr,
+                self.len * std::mem::size_of::<T>(),
+                CopyKind::DeviceToDevice,
+                stream,
+            )
+        }
     }
     /// The contents as a `Vec`.
     pub fn to_vec(&self) -> Result<Vec<T>> {

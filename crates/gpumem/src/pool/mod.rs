@@ -27,6 +27,7 @@
 //! fragmentation costs at most the partly used pages at block edges.
 
 mod free_index;
+pub mod pinned;
 pub mod size;
 pub mod stats;
 pub mod summary;

@@ -1,6 +1,8 @@
 //! Plain host memory: the backend where no GPU is present, and the one CI tests run on.
 
-use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps};
+use super::{
+    next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
+};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -106,6 +108,15 @@ impl Resource for HostResource {
     fn location(&self) -> Location {
         Location::Host
     }
+
+    /// Plain host memory is already as good as host memory gets here.
+    fn register_host(&self, _ptr: DevPtr, _bytes: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn unregister_host(&self, _ptr: DevPtr) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl Drop for HostResource {
@@ -131,6 +142,10 @@ impl StreamOps for HostResource {
         Ok(())
     }
     fn destroy_event(&self, _event: Event) {}
+    fn create_stream(&self) -> Result<Stream> {
+        Ok(Stream(next_stream_id()))
+    }
+    fn destroy_stream(&self, _stream: Stream) {}
     fn synchronize(&self, _stream: Stream) -> Result<()> {
         Ok(())
     }

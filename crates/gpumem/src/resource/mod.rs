@@ -40,6 +40,14 @@ impl From<&cudarc::driver::CudaStream> for Stream {
     }
 }
 
+/// A fresh stream number for backends without real streams (distinct from every other
+/// number handed out, and far from small ids a caller might use on its own).
+pub(crate) fn next_stream_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1 << 40);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 /// An event handle owned by a [`StreamOps`] implementation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Event(pub u64);
@@ -62,6 +70,10 @@ pub enum Location {
     Simulated,
     /// CUDA device memory of the given ordinal.
     Cuda(usize),
+    /// Page-locked (pinned) host memory, usable by every device's copies.
+    PinnedHost,
+    /// Managed (unified) memory, created on the given device.
+    Managed(usize),
 }
 
 /// The raw-resource trait: stream-first allocate and deallocate.
@@ -115,6 +127,27 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
         let _ = (addr, bytes);
         Err(self.no_vmm())
     }
+    // ------------------------------------------------------------ host-memory registration
+
+    /// Page-lock `bytes` bytes of existing host memory at `ptr` so that copies from and to it
+    /// run at pinned speed (cuMemHostRegister). Plain host memory needs nothing (a no-op);
+    /// resources that cannot do it say so.
+    fn register_host(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
+        let _ = (ptr, bytes);
+        Err(crate::error::Error::Unsupported {
+            backend: self.name().to_string(),
+            what: "host-memory registration".into(),
+        })
+    }
+    /// Undo [`Resource::register_host`] for the range starting at `ptr`.
+    fn unregister_host(&self, ptr: DevPtr) -> Result<()> {
+        let _ = ptr;
+        Err(crate::error::Error::Unsupported {
+            backend: self.name().to_string(),
+            what: "host-memory registration".into(),
+        })
+    }
+
     /// The error the virtual-memory methods return where there are none.
     fn no_vmm(&self) -> crate::error::Error {
         crate::error::Error::Unsupported {
@@ -133,6 +166,9 @@ pub enum CopyKind {
     DeviceToHost,
     /// device → device
     DeviceToDevice,
+    /// either way, the direction found from the addresses (unified addressing: managed,
+    /// registered, pinned or device memory, and pageable host memory)
+    Unified,
 }
 
 /// Streams, events and copies: what the pool needs for cross-stream safety and what typed
@@ -148,6 +184,11 @@ pub trait StreamOps: Send + Sync {
     fn wait_event(&self, stream: Stream, event: Event) -> Result<()>;
     /// Release an event.
     fn destroy_event(&self, event: Event);
+    /// A new stream that does not synchronise with the default stream (for the transfer
+    /// engine's copy lanes). Release it with [`StreamOps::destroy_stream`].
+    fn create_stream(&self) -> Result<Stream>;
+    /// Release a stream from [`StreamOps::create_stream`] (queued work still completes).
+    fn destroy_stream(&self, stream: Stream);
     /// Block the host until all work on `stream` has completed.
     fn synchronize(&self, stream: Stream) -> Result<()>;
     /// Block the host until all work on the device has completed (needs no stream, so it is

@@ -8,7 +8,9 @@
 //! mapped into it in 2 MiB pages and counted against the capacity, as on a CUDA device with
 //! cuMemAddressReserve / cuMemCreate / cuMemMap.
 
-use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps};
+use super::{
+    next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
+};
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -308,6 +310,10 @@ impl StreamOps for SimulatedDevice {
         Ok(())
     }
     fn destroy_event(&self, _event: Event) {}
+    fn create_stream(&self) -> Result<Stream> {
+        Ok(Stream(next_stream_id()))
+    }
+    fn destroy_stream(&self, _stream: Stream) {}
     fn synchronize(&self, _stream: Stream) -> Result<()> {
         self.state.lock().syncs += 1;
         Ok(())

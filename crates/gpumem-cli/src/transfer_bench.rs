@@ -1,0 +1,306 @@
+//! `gpumem bench transfer`: copy bandwidth of every path between host and device memory
+//! (pageable raw, pageable staged, pinned, device↔device, managed prefetch), and the cost of
+//! getting pinned memory (raw vs the pinned pool).
+
+use gpumem::resource::StreamOps;
+use gpumem::{CachingAllocator, DeviceBuffer, PinnedBuffer, Stream, Transfer};
+use serde::Serialize;
+use std::time::Instant;
+
+/// One measured path at one size.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub path: String,
+    pub direction: String,
+    pub bytes: u64,
+    /// median over the repetitions
+    pub seconds: f64,
+    pub gb_per_s: f64,
+}
+
+/// Latency of getting and giving back pinned memory.
+#[derive(Debug, Clone, Serialize)]
+pub struct AllocRow {
+    pub allocator: String,
+    pub bytes: u64,
+    pub us_per_pair: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Out {
+    pub device: String,
+    pub rows: Vec<Row>,
+    pub pinned_alloc: Vec<AllocRow>,
+    /// lanes and chunk size of the staged path
+    pub staging: String,
+}
+
+type Res<T> = Result<T, String>;
+
+fn e(err: gpumem::Error) -> String {
+    err.to_string()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Time `f` (one untimed warm-up, then enough repetitions for ~0.25 s of copying).
+fn time(bytes: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+    f()?;
+    let reps = ((256usize << 20) / bytes.max(1)).clamp(3, 200);
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    Ok(median(t))
+}
+
+fn row(path: &str, direction: &str, bytes: usize, seconds: f64) -> Row {
+    Row {
+        path: path.into(),
+        direction: direction.into(),
+        bytes: bytes as u64,
+        seconds,
+        gb_per_s: bytes as f64 / seconds / 1e9,
+    }
+}
+
+/// Every path at every size, on `alloc`'s device.
+pub fn run(alloc: &CachingAllocator, device: String, sizes: &[usize], quiet: bool) -> Res<Out> {
+    let max = sizes.iter().copied().max().unwrap_or(0);
+    let stream = alloc.create_stream().map_err(e)?;
+    let pool = alloc.pinned_pool().map_err(e)?;
+    let engine = alloc.transfer_engine().map_err(e)?;
+    let cfg = engine.config();
+    let mut rows = Vec::new();
+    // pageable memory the way users have it: an initialised Vec
+    let src: Vec<u8> = (0..max).map(|i| (i % 253) as u8).collect();
+    let mut dst = vec![0u8; max];
+    let mut d1 = DeviceBuffer::<u8>::zeroed(alloc, stream, max).map_err(e)?;
+    let mut d2 = DeviceBuffer::<u8>::zeroed(alloc, stream, max).map_err(e)?;
+    let p1 = PinnedBuffer::from_slice(pool, &src).map_err(e)?;
+    let mut p2 = PinnedBuffer::<u8>::zeroed(pool, max).map_err(e)?;
+    for &n in sizes {
+        if !quiet {
+            eprintln!("  {} ...", human(n as u64));
+        }
+        for (name, how) in [
+            ("pageable raw", Transfer::Sync),
+            ("pageable staged", Transfer::Staged),
+        ] {
+            let t = time(n, || {
+                d1.slice_mut(..n)
+                    .map_err(e)?
+                    .copy_from_host_with(&src[..n], how)
+                    .map_err(e)?;
+                d1.synchronize().map_err(e)
+            })?;
+            rows.push(row(name, "h2d", n, t));
+            let t = time(n, || {
+                d1.slice(..n)
+                    .map_err(e)?
+                    .copy_to_host_with(&mut dst[..n], how)
+                    .map_err(e)
+            })?;
+            rows.push(row(name, "d2h", n, t));
+        }
+        let t = time(n, || {
+            d1.copy_range_from_pinned(0, &p1, 0..n).map_err(e)?;
+            d1.synchronize().map_err(e)
+        })?;
+        rows.push(row("pinned", "h2d", n, t));
+        let t = time(n, || {
+            d1.copy_range_to_pinned(0..n, &mut p2, 0).map_err(e)?;
+            p2.synchronize().map_err(e)
+        })?;
+        rows.push(row("pinned", "d2h", n, t));
+        let t = time(n, || {
+            d2.slice_mut(..n)
+                .map_err(e)?
+                .copy_from_device(&d1.slice(..n).map_err(e)?)
+                .map_err(e)?;
+            d2.synchronize().map_err(e)
+        })?;
+        rows.push(row("device", "d2d", n, t));
+        #[cfg(feature = "cuda")]
+        if let Some(r) = managed_rows(alloc, n, stream)? {
+            rows.extend(r);
+        }
+    }
+    // check what the copies moved (the last size's round trips)
+    let last = *sizes.last().unwrap_or(&0);
+    if dst[..last] != src[..last] {
+        return Err("staged/raw device→host data differs from the source".into());
+    }
+    if p2.as_slice().map_err(e)?[..last] != src[..last] {
+        return Err("pinned device→host data differs from the source".into());
+    }
+    drop((d1, d2, p1, p2));
+    let pinned_alloc = pinned_alloc_rows(alloc)?;
+    alloc.destroy_stream(stream);
+    Ok(Out {
+        device,
+        rows,
+        pinned_alloc,
+        staging: format!(
+            "{} lanes x 2 chunks of {}",
+            cfg.lanes,
+            human(cfg.chunk_bytes as u64)
+        ),
+    })
+}
+
+/// Managed memory prefetched each way (the reference the unified-memory work is measured
+/// against). Skipped where the device has too little free memory for a safe allocation.
+#[cfg(feature = "cuda")]
+fn managed_rows(alloc: &CachingAllocator, n: usize, stream: Stream) -> Res<Option<Vec<Row>>> {
+    use gpumem::resource::cuda::CudaManaged;
+    use gpumem::resource::Resource;
+    let gpumem::Location::Cuda(ordinal) = alloc.backend().location() else {
+        return Ok(None);
+    };
+    let m = CudaManaged::new(ordinal).map_err(e)?;
+    // the resource's guard refuses anything past 0.8 x free memory; stay far below it
+    let free = m.mem_info().map_err(e)?.free;
+    if (n as u64) * 4 > free {
+        return Ok(None);
+    }
+    let p = m.allocate(stream, n, 4096).map_err(e)?;
+    // SAFETY: `p` is a fresh managed block of `n` bytes, host-accessible (concurrent managed
+    // access is not needed: no kernel runs on it).
+    unsafe { std::ptr::write_bytes(p as *mut u8, 7, n) };
+    let mut rows = Vec::new();
+    let mut h2d = Vec::new();
+    let mut d2h = Vec::new();
+    for _ in 0..((256usize << 20) / n).clamp(3, 50) {
+        let s = Instant::now();
+        // SAFETY: the range is the managed block from `m`.
+        unsafe { m.prefetch_to_device(p, n, stream) }.map_err(e)?;
+        m.synchronize(stream).map_err(e)?;
+        h2d.push(s.elapsed().as_secs_f64());
+        let s = Instant::now();
+        // SAFETY: as above.
+        unsafe { m.prefetch_to_host(p, n, stream) }.map_err(e)?;
+        m.synchronize(stream).map_err(e)?;
+        d2h.push(s.elapsed().as_secs_f64());
+    }
+    rows.push(row("managed prefetch", "h2d", n, median(h2d)));
+    rows.push(row("managed prefetch", "d2h", n, median(d2h)));
+    m.deallocate(p, n, stream).map_err(e)?;
+    Ok(Some(rows))
+}
+
+/// Pinned alloc+free: the raw resource against the pool's cache.
+fn pinned_alloc_rows(alloc: &CachingAllocator) -> Res<Vec<AllocRow>> {
+    let pool = alloc.pinned_pool().map_err(e)?;
+    let raw = pool.backend().clone();
+    let mut out = Vec::new();
+    for bytes in [1usize << 20, 64 << 20] {
+        let reps = if bytes > 1 << 20 { 5 } else { 20 };
+        let mut t = Vec::new();
+        for _ in 0..reps {
+            let s = Instant::now();
+            let p = raw.allocate(Stream::DEFAULT, bytes, 4096).map_err(e)?;
+            raw.deallocate(p, bytes, Stream::DEFAULT).map_err(e)?;
+            t.push(s.elapsed().as_secs_f64());
+        }
+        out.push(AllocRow {
+            allocator: format!("{} (raw)", raw.name()),
+            bytes: bytes as u64,
+            us_per_pair: median(t) * 1e6,
+        });
+        let b = pool.allocate(bytes).map_err(e)?;
+        pool.free(b, vec![]).map_err(e)?;
+        let pairs = 100_000;
+        let s = Instant::now();
+        for _ in 0..pairs {
+            let b = pool.allocate(bytes).map_err(e)?;
+            pool.free(b, vec![]).map_err(e)?;
+        }
+        out.push(AllocRow {
+            allocator: "gpumem pinned pool (cached)".into(),
+            bytes: bytes as u64,
+            us_per_pair: s.elapsed().as_secs_f64() * 1e6 / pairs as f64,
+        });
+    }
+    Ok(out)
+}
+
+pub fn human(b: u64) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+pub fn print(out: &Out) {
+    println!(
+        "copy bandwidth on {} (GB/s, median; staged: {})",
+        out.device, out.staging
+    );
+    let mut sizes: Vec<u64> = out.rows.iter().map(|r| r.bytes).collect();
+    sizes.dedup();
+    let mut paths: Vec<(String, String)> = Vec::new();
+    for r in &out.rows {
+        let k = (r.path.clone(), r.direction.clone());
+        if !paths.contains(&k) {
+            paths.push(k);
+        }
+    }
+    print!("{:<18} {:<5}", "path", "dir");
+    for s in &sizes {
+        print!(" {:>9}", human(*s));
+    }
+    println!();
+    for (p, d) in &paths {
+        print!("{p:<18} {d:<5}");
+        for s in &sizes {
+            match out
+                .rows
+                .iter()
+                .find(|r| &r.path == p && &r.direction == d && r.bytes == *s)
+            {
+                Some(r) => print!(" {:>9.2}", r.gb_per_s),
+                None => print!(" {:>9}", "-"),
+            }
+        }
+        println!();
+    }
+    for dir in ["h2d", "d2h"] {
+        for s in &sizes {
+            let get = |p: &str| {
+                out.rows
+                    .iter()
+                    .find(|r| r.path == p && r.direction == dir && r.bytes == *s)
+                    .map(|r| r.gb_per_s)
+            };
+            if let (Some(st), Some(pi)) = (get("pageable staged"), get("pinned")) {
+                if *s >= 16 << 20 {
+                    println!(
+                        "staged/pinned {dir} at {}: {:.0}%",
+                        human(*s),
+                        100.0 * st / pi
+                    );
+                }
+            }
+        }
+    }
+    println!("pinned alloc+free:");
+    for r in &out.pinned_alloc {
+        println!(
+            "  {:<32} {:>8} {:>12.3} us",
+            r.allocator,
+            human(r.bytes),
+            r.us_per_pair
+        );
+    }
+}
