@@ -125,7 +125,7 @@ enum BenchWhat {
         /// Force the host backend even where a GPU is present.
         #[arg(long)]
         host: bool,
-        /// gpumem configuration (staging_lanes, staging_chunk_kb, ...); defaults to
+        /// gpumem configuration (staging_threads, staging_chunk_kb, ...); defaults to
         /// GPUMEM_CONF or the defaults.
         #[arg(long)]
         conf: Option<String>,

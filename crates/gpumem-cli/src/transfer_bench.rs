@@ -2,8 +2,10 @@
 //! (pageable raw, pageable staged, pinned, device↔device, managed prefetch), and the cost of
 //! getting pinned memory (raw vs the pinned pool).
 
-use gpumem::resource::StreamOps;
-use gpumem::{CachingAllocator, DeviceBuffer, PinnedBuffer, Stream, Transfer};
+use gpumem::resource::{CopyKind, StreamOps};
+use gpumem::{
+    CachingAllocator, DeviceBuffer, PinnedBuffer, PinnedHost, PinnedRegistration, Stream, Transfer,
+};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -31,7 +33,7 @@ pub struct Out {
     pub device: String,
     pub rows: Vec<Row>,
     pub pinned_alloc: Vec<AllocRow>,
-    /// lanes and chunk size of the staged path
+    /// threads and largest slot of the staged path
     pub staging: String,
 }
 
@@ -108,6 +110,30 @@ pub fn run(alloc: &CachingAllocator, device: String, sizes: &[usize], quiet: boo
             })?;
             rows.push(row(name, "d2h", n, t));
         }
+        // the reference: one cuMemcpyAsync between the same pinned and device memory, with
+        // none of gpumem's bookkeeping
+        for (dir, kind, dst_ptr, src_ptr) in [
+            (
+                "h2d",
+                CopyKind::HostToDevice,
+                d1.device_ptr(),
+                p1.host_ptr(),
+            ),
+            (
+                "d2h",
+                CopyKind::DeviceToHost,
+                p2.host_ptr(),
+                d1.device_ptr(),
+            ),
+        ] {
+            let t = time(n, || {
+                // SAFETY: both ranges are live blocks of at least `n` bytes (buffers of `max`),
+                // not otherwise used until the stream is synchronised below.
+                unsafe { alloc.copy(dst_ptr, src_ptr, n, kind, stream) }.map_err(e)?;
+                alloc.synchronize(stream).map_err(e)
+            })?;
+            rows.push(row("cuMemcpyAsync (raw)", dir, n, t));
+        }
         let t = time(n, || {
             d1.copy_range_from_pinned(0, &p1, 0..n).map_err(e)?;
             d1.synchronize().map_err(e)
@@ -118,6 +144,13 @@ pub fn run(alloc: &CachingAllocator, device: String, sizes: &[usize], quiet: boo
             p2.synchronize().map_err(e)
         })?;
         rows.push(row("pinned", "d2h", n, t));
+        // ordinary memory page-locked for each copy (cuMemHostRegister + copy + unregister)
+        let t = time(n, || {
+            let reg = PinnedRegistration::new(pool, &mut dst[..n]).map_err(e)?;
+            d2.copy_range_from_pinned(0, &reg, 0..n).map_err(e)?;
+            reg.synchronize().map_err(e)
+        })?;
+        rows.push(row("pageable registered", "h2d", n, t));
         let t = time(n, || {
             d2.slice_mut(..n)
                 .map_err(e)?
@@ -147,8 +180,8 @@ pub fn run(alloc: &CachingAllocator, device: String, sizes: &[usize], quiet: boo
         rows,
         pinned_alloc,
         staging: format!(
-            "{} lanes x 2 chunks of {}",
-            cfg.lanes,
+            "{} threads, slots of up to {}",
+            cfg.threads,
             human(cfg.chunk_bytes as u64)
         ),
     })
@@ -256,13 +289,13 @@ pub fn print(out: &Out) {
             paths.push(k);
         }
     }
-    print!("{:<18} {:<5}", "path", "dir");
+    print!("{:<20} {:<5}", "path", "dir");
     for s in &sizes {
         print!(" {:>9}", human(*s));
     }
     println!();
     for (p, d) in &paths {
-        print!("{p:<18} {d:<5}");
+        print!("{p:<20} {d:<5}");
         for s in &sizes {
             match out
                 .rows
@@ -289,6 +322,25 @@ pub fn print(out: &Out) {
                         "staged/pinned {dir} at {}: {:.0}%",
                         human(*s),
                         100.0 * st / pi
+                    );
+                }
+            }
+        }
+    }
+    for dir in ["h2d", "d2h"] {
+        for s in &sizes {
+            let get = |p: &str| {
+                out.rows
+                    .iter()
+                    .find(|r| r.path == p && r.direction == dir && r.bytes == *s)
+                    .map(|r| r.gb_per_s)
+            };
+            if let (Some(p), Some(raw)) = (get("pinned"), get("cuMemcpyAsync (raw)")) {
+                if *s >= 16 << 20 {
+                    println!(
+                        "pinned/raw cuMemcpyAsync {dir} at {}: {:.0}%",
+                        human(*s),
+                        100.0 * p / raw
                     );
                 }
             }

@@ -199,3 +199,32 @@ fn viz_renders_in_headless_chromium() {
     assert!(count((0x1f, 0x3f, 0xbf)) > 500, "no reserved line");
     assert!(count((0x2b, 0x6c, 0xb0)) > 2_000, "no segment map");
 }
+
+#[test]
+fn bench_transfer_reports_every_path_and_size() {
+    let (ok, json, err) = gpumem(&["bench", "transfer", "--json", "--host", "--max-mib", "1"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    for path in [
+        "pageable raw",
+        "pageable staged",
+        "cuMemcpyAsync (raw)",
+        "pinned",
+        "pageable registered",
+        "device",
+    ] {
+        assert!(rows.iter().any(|r| r["path"] == path), "no {path} row");
+    }
+    let sizes: std::collections::BTreeSet<u64> =
+        rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(
+        sizes.into_iter().collect::<Vec<_>>(),
+        vec![64 << 10, 1 << 20]
+    );
+    assert!(rows.iter().all(|r| r["gb_per_s"].as_f64().unwrap() > 0.0));
+    let cached = &v["pinned_alloc"].as_array().unwrap()[1];
+    assert!(cached["allocator"].as_str().unwrap().contains("cached"));
+    let (ok, _, err) = gpumem(&["bench", "transfer", "--host", "--conf", "staging_threads:0"]);
+    assert!(!ok && err.contains("staging_threads"), "{err}");
+}

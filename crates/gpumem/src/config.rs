@@ -87,10 +87,10 @@ pub struct Config {
     pub expandable_slack: f64,
     /// Share of wall time page moves may take before the slack grows; 0 = no limit.
     pub expandable_move_budget: f64,
-    /// Lanes (threads with a copy stream each) of staged host copies; `None` = one per core,
-    /// at most 4.
-    pub staging_lanes: Option<usize>,
-    /// Bytes per pinned staging chunk.
+    /// Threads that fill and empty pinned slots in staged host copies; `None` = one per
+    /// core, at most 16.
+    pub staging_threads: Option<usize>,
+    /// Largest pinned staging slot in bytes.
     pub staging_chunk: u64,
     /// Smallest host copy that is staged (smaller ones are one driver copy).
     pub staging_min: u64,
@@ -112,8 +112,8 @@ impl Default for Config {
             expandable_segments: true,
             expandable_slack: 0.002,
             expandable_move_budget: 0.01,
-            staging_lanes: None,
-            staging_chunk: 4 * MIB,
+            staging_threads: None,
+            staging_chunk: 2 * MIB,
             staging_min: MIB,
         }
     }
@@ -316,8 +316,8 @@ impl Config {
                     }
                     self.expandable_slack = f;
                 }
-                "staging_lanes" => {
-                    self.staging_lanes = if value == "auto" {
+                "staging_threads" => {
+                    self.staging_threads = if value == "auto" {
                         None
                     } else {
                         let n = parse_u64(key, value)? as usize;
@@ -343,7 +343,7 @@ impl Config {
                          garbage_collection_threshold, backend, memory_fraction, memory_limit_mb, \
                          release_threshold_mb, shards, quick_cache, cross_stream_reuse, \
                          expandable_segments, expandable_slack, expandable_move_budget, \
-                         staging_lanes, staging_chunk_kb, staging_min_kb)"
+                         staging_threads, staging_chunk_kb, staging_min_kb)"
                     )))
                 }
             }

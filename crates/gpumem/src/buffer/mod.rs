@@ -12,7 +12,7 @@ use crate::allocator::{Allocation, CachingAllocator};
 use crate::buffer::pinned::PinnedHost;
 use crate::error::{Error, Result};
 use crate::pool::MAX_ALIGN;
-use crate::resource::{CopyKind, DevPtr, Stream, StreamOps};
+use crate::resource::{CopyKind, DevPtr, Resource, Stream, StreamOps};
 use crate::transfer::Transfer;
 use bytemuck::Pod;
 use std::marker::PhantomData;
@@ -129,6 +129,45 @@ fn write_from<T: Pod>(
 fn span(range: Range<usize>, len: usize) -> Result<(usize, usize)> {
     let (s, e) = resolve(range, len)?;
     Ok((s, e - s))
+}
+
+/// Device → device copy of `bytes` from `src_ptr` (in `src`) to `dst_ptr` (in `dst`), on
+/// `dst`'s stream and ordered after `src`'s. Buffers of two devices (two allocators on
+/// different devices) copy peer to peer through unified addressing; `src`'s stream then waits
+/// for the copy, so `src` is not reused under it.
+fn device_copy<T: Pod>(
+    dst: &DeviceBuffer<T>,
+    dst_ptr: DevPtr,
+    src: &DeviceBuffer<T>,
+    src_ptr: DevPtr,
+    bytes: usize,
+) -> Result<()> {
+    let (dops, sops) = (dst.ops(), src.ops());
+    let peer = dst.alloc.location() != src.alloc.location();
+    if src.stream != dst.stream || peer {
+        let ev = sops.record_event(src.stream)?;
+        let r = dops.wait_event(dst.stream, ev);
+        sops.destroy_event(ev);
+        r?;
+        if !peer {
+            src.record_stream(dst.stream)?;
+        }
+    }
+    let kind = if peer {
+        CopyKind::Unified
+    } else {
+        CopyKind::DeviceToDevice
+    };
+    // SAFETY: both ranges are bounds-checked parts of live blocks; `dst` is borrowed mutably
+    // by the caller and `src` shared, so they are distinct blocks and do not overlap.
+    unsafe { dops.copy(dst_ptr, src_ptr, bytes, kind, dst.stream)? };
+    if peer {
+        let ev = dops.record_event(dst.stream)?;
+        let r = sops.wait_event(src.stream, ev);
+        dops.destroy_event(ev);
+        r?;
+    }
+    Ok(())
 }
 
 fn check_len(expected: usize, got: usize) -> Result<()> {
@@ -354,30 +393,13 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// Copy another buffer of the same length in (device to device, on this buffer's
-    /// stream, ordered after `src`'s stream).
+    /// stream, ordered after `src`'s stream; peer to peer where `src` is on another device).
     pub fn copy_from_device(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
         check_len(self.len, src.len)?;
         if self.len == 0 {
             return Ok(());
         }
-        if src.stream != self.stream {
-            let ev = self.ops().record_event(src.stream)?;
-            let r = self.ops().wait_event(self.stream, ev);
-            self.ops().destroy_event(ev);
-            r?;
-            src.record_stream(self.stream)?;
-        }
-        // SAFETY: both blocks are live and hold `num_bytes`; they are distinct blocks
-        // (`self` is borrowed mutably, `src` shared), so they do not overlap.
-        unsafe {
-            self.ops().copy(
-                self.ptr,
-                src.ptr,
-                self.num_bytes(),
-                CopyKind::DeviceToDevice,
-                self.stream,
-            )
-        }
+        device_copy(self, self.ptr, src, src.ptr, self.num_bytes())
     }
 
     /// The contents as a `Vec`.
@@ -526,31 +548,23 @@ impl<T: Pod> DeviceSliceMut<'_, T> {
         write_from(&self.buf.alloc, self.buf.stream, self.ptr, src, how)
     }
     /// Copy another buffer's elements (same length) in, device to device, on this buffer's
-    /// stream, ordered after `src`'s stream.
+    /// stream, ordered after `src`'s stream (peer to peer where `src` is on another device).
     pub fn copy_from_device(&mut self, src: &DeviceSlice<'_, T>) -> Result<()> {
         check_len(self.len, src.len)?;
         if self.len == 0 {
             return Ok(());
         }
-        let (stream, ops) = (self.buf.stream, self.buf.ops());
-        if src.buf.stream != stream {
-            let ev = ops.record_event(src.buf.stream)?;
-            let r = ops.wait_event(stream, ev);
-            ops.destroy_event(ev);
-            r?;
-            src.buf.record_stream(stream)?;
-        }
-        // SAFETY: both views are bounds-checked parts of live blocks; `self` borrows its
-        // buffer mutably and `src` another buffer shared, so the ranges do not overlap.
-        unsafe {
-            ops.copy(
-                self.ptr,
-                src.ptr,
-                self.len * std::mem::size_of::<T>(),
-                CopyKind::DeviceToDevice,
-                stream,
-            )
-        }
+        device_copy(
+            self.buf,
+            self.ptr,
+            src.buf,
+            src.ptr,
+            self.len * std::mem::size_of::<T>(),
+        )
+    }
+    /// Copy out to `dst` (same length) the way `how` names; returns once `dst` holds them.
+    pub fn copy_to_host_with(&self, dst: &mut [T], how: Transfer) -> Result<()> {
+        self.as_slice().copy_to_host_with(dst, how)
     }
     /// The contents as a `Vec`.
     pub fn to_vec(&self) -> Result<Vec<T>> {

@@ -1,11 +1,12 @@
 //! The transfer engine: host↔device copies at the link's speed from any host memory.
 //!
 //! Copies from ordinary (pageable) memory run at 8–14 GB/s on the H100 machine against 55 GB/s
-//! from pinned memory, because the driver stages them through a small pinned buffer one piece
-//! at a time. The engine stages them itself: each of a few *lanes* (a CPU thread and a copy
-//! stream) moves its share through two pinned chunks from the [`PinnedPool`], filling one
-//! while the other is on the link. Chunks go back to the pool with the events of their copies,
-//! so a host→device copy need not wait for its last chunk to land before returning.
+//! from pinned memory: the driver stages them through a small pinned buffer with one CPU
+//! thread, and one core copies memory at only 7–9 GB/s there. The engine stages them itself on
+//! several *lanes*: each lane is a thread with its own copy stream and two pinned chunks from
+//! the [`PinnedPool`]; it takes the next chunk of the copy, fills one buffer while the other is
+//! on the link, and hands its buffers back with the events of their copies, so a host→device
+//! copy need not wait for its last chunk to land before returning.
 //!
 //! [`Transfer`] names the strategies a user picks between; typed buffers take it
 //! ([`crate::DeviceBuffer::copy_from_host_with`]).
@@ -16,7 +17,20 @@ use crate::error::Result;
 use crate::pool::pinned::{PinnedBlock, PinnedPool};
 use crate::resource::{Backend, CopyKind, DevPtr, Event, Stream};
 use parking_lot::Mutex;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// Smallest chunk an adaptive split goes down to.
+const MIN_CHUNK: usize = 256 << 10;
+
+/// A raw pointer that may cross into a lane thread (the lanes write disjoint ranges).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: lanes write distinct chunks of a slice the caller borrows for the whole call (the
+// lane scope joins every lane before the borrow ends).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above: lanes share the base address only to derive their distinct chunks.
+unsafe impl Sync for SendPtr {}
 
 /// How a copy between ordinary host memory and the device runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -29,7 +43,7 @@ pub enum Transfer {
     /// later work on the buffer's stream sees the data. Device→host must wait (the data lands
     /// in the caller's memory), so it runs as [`Transfer::Staged`].
     Async,
-    /// Staged through double-buffered pinned chunks on several lanes, and waited for.
+    /// Staged through pinned chunks on several lanes, and waited for.
     Staged,
     /// One driver copy whose direction comes from unified addressing (`cudaMemcpyDefault`):
     /// for memory whose kind the caller does not know (managed, registered, pinned or
@@ -43,10 +57,10 @@ pub enum Transfer {
 /// Staging parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StagingConfig {
-    /// bytes per pinned chunk
+    /// largest pinned chunk (smaller copies use smaller chunks, so that several overlap)
     pub chunk_bytes: usize,
-    /// lanes (CPU threads, each with its copy stream and two chunks)
-    pub lanes: usize,
+    /// lanes: threads, each with its own copy stream and two pinned chunks
+    pub threads: usize,
     /// smallest copy [`Transfer::Auto`] stages
     pub min_staged_bytes: usize,
 }
@@ -63,7 +77,7 @@ impl StagingConfig {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
             chunk_bytes: c.staging_chunk as usize,
-            lanes: c.staging_lanes.unwrap_or(cores.clamp(1, 4)),
+            threads: c.staging_threads.unwrap_or(cores.clamp(1, 16)),
             min_staged_bytes: c.staging_min as usize,
         }
     }
@@ -71,12 +85,15 @@ impl StagingConfig {
 
 /// Moves bytes between host memory and one device's memory.
 pub struct TransferEngine {
-    /// the device side (copies, streams and events)
+    /// the device side (copies and events)
     ops: Arc<dyn Backend>,
     pinned: PinnedPool,
     config: StagingConfig,
     /// idle lane streams
     streams: Mutex<Vec<Stream>>,
+    /// the lanes' threads, made on first staged copy (`None` where none could be made: the
+    /// caller's thread runs the lanes one after another)
+    threads: OnceLock<Option<rayon::ThreadPool>>,
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -88,27 +105,19 @@ impl std::fmt::Debug for TransferEngine {
     }
 }
 
-/// A raw pointer that may cross into a lane thread (the lanes write disjoint ranges).
-#[derive(Clone, Copy)]
-struct SendPtr(*mut u8);
-// SAFETY: each lane receives a disjoint range of a slice the caller borrows for the whole
-// call (`std::thread::scope` joins every lane before the borrow ends).
-unsafe impl Send for SendPtr {}
-// SAFETY: as above: lanes share the base address only to derive their disjoint ranges.
-unsafe impl Sync for SendPtr {}
-
 impl TransferEngine {
-    /// An engine copying with `ops` (the device's backend) through chunks of `pinned`.
+    /// An engine copying with `ops` (the device's backend) through slots of `pinned`.
     pub fn new(ops: Arc<dyn Backend>, pinned: PinnedPool, config: StagingConfig) -> Self {
         Self {
             ops,
             pinned,
             config: StagingConfig {
                 chunk_bytes: config.chunk_bytes.max(4096),
-                lanes: config.lanes.max(1),
+                threads: config.threads.max(1),
                 ..config
             },
             streams: Mutex::new(Vec::new()),
+            threads: OnceLock::new(),
         }
     }
 
@@ -128,6 +137,34 @@ impl TransferEngine {
             Transfer::Auto => Transfer::Sync,
             h => h,
         }
+    }
+
+    /// The chunk size for a copy of `len` bytes over `lanes` lanes: the configured size, or
+    /// smaller (down to 256 KiB) so that each lane gets at least four chunks to overlap.
+    fn chunk_for(&self, len: usize, lanes: usize) -> usize {
+        let even = len.div_ceil(lanes * 4).next_multiple_of(4096);
+        even.clamp(
+            MIN_CHUNK.min(self.config.chunk_bytes),
+            self.config.chunk_bytes,
+        )
+    }
+
+    /// The lane threads (made on first use; `None` where threads cannot be made, and then
+    /// lanes run one after another on the caller's thread).
+    fn threads(&self) -> Option<&rayon::ThreadPool> {
+        self.threads
+            .get_or_init(|| {
+                if self.config.threads < 2 {
+                    return None;
+                }
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(self.config.threads)
+                    .thread_name(|i| format!("gpumem-lane-{i}"))
+                    .build()
+                    .map_err(|e| tracing::warn!("gpumem: no transfer lane threads: {e}"))
+                    .ok()
+            })
+            .as_ref()
     }
 
     /// Copy `src` to device address `dst`, ordered on `stream` (after the work queued there).
@@ -160,9 +197,9 @@ impl TransferEngine {
                 self.ops.synchronize(stream)
             }
             h => {
-                let done = self.staged(stream, src.len(), |ops, lane, off, len| {
-                    // SAFETY: per contract; each lane writes its own part of `dst`.
-                    unsafe { self.lane_h2d(ops, lane, dst + off as u64, &src[off..off + len]) }
+                let done = self.staged(stream, src.len(), |lane, next, chunk| {
+                    // SAFETY: per contract; lanes take distinct chunks of `dst`.
+                    unsafe { self.lane_h2d(lane, dst, src, next, chunk) }
                 })?;
                 self.finish(stream, done, h == Transfer::Staged)
             }
@@ -201,13 +238,11 @@ impl TransferEngine {
             }
             _ => {
                 let base = SendPtr(dst.as_mut_ptr());
-                let done = self.staged(stream, len, move |ops, lane, off, n| {
+                let done = self.staged(stream, len, move |lane, next, chunk| {
                     let base = base;
-                    // SAFETY: lanes get disjoint `[off, off + n)` ranges of `dst`, which the
-                    // caller borrows mutably until every lane has joined.
-                    let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(off), n) };
-                    // SAFETY: per contract.
-                    unsafe { self.lane_d2h(ops, lane, part, src + off as u64) }
+                    // SAFETY: per contract; lanes take distinct chunks of `dst`, which the
+                    // caller borrows mutably until every lane has returned.
+                    unsafe { self.lane_d2h(lane, base, len, src, next, chunk) }
                 })?;
                 // the data is in `dst` once every lane returned; the events are spent
                 for ev in done {
@@ -218,21 +253,17 @@ impl TransferEngine {
         }
     }
 
-    /// Split `len` bytes across lanes (whole chunks each), order each lane stream after
-    /// `stream`, run `lane` on scoped threads, and return each lane's final event.
+    /// Run a staged copy of `len` bytes: order the lane streams after `stream`, let each lane
+    /// take chunks (`next` hands out chunk indices) on the engine's threads, and return each
+    /// lane's final event.
     fn staged<F>(&self, stream: Stream, len: usize, lane: F) -> Result<Vec<Event>>
     where
-        F: Fn(&dyn Backend, Stream, usize, usize) -> Result<Event> + Sync,
+        F: Fn(Stream, &AtomicUsize, usize) -> Result<Event> + Sync,
     {
-        let chunk = self.config.chunk_bytes;
-        let chunks = len.div_ceil(chunk);
-        let lanes = self.config.lanes.min(chunks);
-        let per_lane = chunks.div_ceil(lanes) * chunk;
-        let parts: Vec<(usize, usize)> = (0..lanes)
-            .map(|i| (i * per_lane, per_lane.min(len.saturating_sub(i * per_lane))))
-            .filter(|&(_, n)| n > 0)
-            .collect();
-        let streams = self.take_streams(parts.len())?;
+        let lanes = self.config.threads.min(len.div_ceil(MIN_CHUNK)).max(1);
+        let chunk = self.chunk_for(len, lanes);
+        let lanes = lanes.min(len.div_ceil(chunk));
+        let streams = self.take_streams(lanes)?;
         let start = self.ops.record_event(stream)?;
         let mut first_err = None;
         for &s in &streams {
@@ -241,26 +272,26 @@ impl TransferEngine {
             }
         }
         self.ops.destroy_event(start);
+        let next = AtomicUsize::new(0);
         let results: Vec<Result<Event>> = match first_err {
             Some(e) => vec![Err(e)],
             None => {
-                let ops: &dyn Backend = &*self.ops;
-                let lane = &lane;
-                std::thread::scope(|scope| {
-                    let mut handles = Vec::new();
-                    for (&(off, n), &s) in parts.iter().zip(&streams).skip(1) {
-                        handles.push(scope.spawn(move || lane(ops, s, off, n)));
-                    }
-                    let mut out = vec![lane(ops, streams[0], parts[0].0, parts[0].1)];
-                    for h in handles {
-                        out.push(h.join().unwrap_or_else(|_| {
-                            Err(crate::error::Error::Config(
-                                "a transfer lane panicked".into(),
-                            ))
-                        }));
-                    }
-                    out
-                })
+                let (lane, next) = (&lane, &next);
+                let out = Mutex::new(Vec::with_capacity(lanes));
+                let out_ref = &out;
+                let run = move |s: Stream| {
+                    let r = lane(s, next, chunk);
+                    out_ref.lock().push(r);
+                };
+                match self.threads() {
+                    Some(pool) if lanes > 1 => pool.scope(|scope| {
+                        for &s in &streams {
+                            scope.spawn(move |_| run(s));
+                        }
+                    }),
+                    _ => streams.iter().for_each(|&s| run(s)),
+                }
+                out.into_inner()
             }
         };
         self.streams.lock().extend(streams);
@@ -322,96 +353,116 @@ impl TransferEngine {
         Ok(out)
     }
 
-    /// Return a lane's chunks to the pool with the events of their last copies.
-    fn give_back(
-        &self,
-        ops: &dyn Backend,
-        bufs: [Option<PinnedBlock>; 2],
-        evs: [Option<Event>; 2],
-    ) {
+    /// Return a lane's buffers to the pool with the events of their last copies.
+    fn give_back(&self, bufs: [Option<PinnedBlock>; 2], evs: [Option<Event>; 2]) {
         for (buf, ev) in bufs.into_iter().zip(evs) {
             match buf {
                 Some(buf) => {
                     if let Err(e) = self.pinned.free(buf, ev.into_iter().collect()) {
-                        tracing::error!("gpumem: staging chunk not returned: {e}");
+                        tracing::error!("gpumem: staging buffer not returned: {e}");
                     }
                 }
                 None => {
                     if let Some(ev) = ev {
-                        ops.destroy_event(ev);
+                        self.ops.destroy_event(ev);
                     }
                 }
             }
         }
     }
 
-    /// One lane of a host→device copy: fill a chunk, queue it, fill the other meanwhile.
+    /// Wait for a buffer's last copy (if any) so that it can be refilled.
+    fn settle(&self, ev: &mut Option<Event>) -> Result<()> {
+        if let Some(e) = ev.take() {
+            let r = self.ops.sync_event(e);
+            self.ops.destroy_event(e);
+            r?;
+        }
+        Ok(())
+    }
+
+    /// One lane of a host→device copy: take a chunk, fill a pinned buffer with it, queue its
+    /// copy, and fill the other buffer with the next chunk meanwhile.
     ///
     /// # Safety
     /// `dst` must be device memory valid for `src.len()` bytes.
     unsafe fn lane_h2d(
         &self,
-        ops: &dyn Backend,
         stream: Stream,
         dst: DevPtr,
         src: &[u8],
+        next: &AtomicUsize,
+        chunk: usize,
     ) -> Result<Event> {
-        let chunk = self.config.chunk_bytes.min(src.len());
+        let ops = &*self.ops;
         let mut bufs: [Option<PinnedBlock>; 2] = [None, None];
         let mut evs: [Option<Event>; 2] = [None, None];
         let r = (|| -> Result<()> {
-            for (k, piece) in src.chunks(chunk).enumerate() {
-                let b = k & 1;
+            let mut j = 0;
+            loop {
+                let off = next.fetch_add(1, Ordering::Relaxed) * chunk;
+                if off >= src.len() {
+                    return Ok(());
+                }
+                let piece = &src[off..(off + chunk).min(src.len())];
+                let b = j & 1;
+                j += 1;
                 if bufs[b].is_none() {
                     bufs[b] = Some(self.pinned.allocate(chunk)?);
                 }
-                if let Some(ev) = evs[b].take() {
-                    // the link still reads this chunk: wait for it
-                    let r = ops.sync_event(ev);
-                    ops.destroy_event(ev);
-                    r?;
-                }
+                self.settle(&mut evs[b])?;
                 let buf = bufs[b].as_ref().map_or(0, |x| x.ptr());
-                // SAFETY: the chunk is ours and idle (its last copy completed) and holds
-                // `chunk >= piece.len()` bytes; `piece` is borrowed for the call.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(piece.as_ptr(), buf as *mut u8, piece.len())
-                };
-                let off = (k * chunk) as u64;
+                // SAFETY: the buffer is ours and idle (its last copy completed: settled above)
+                // and holds `chunk >= piece.len()` bytes.
+                let staging =
+                    unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, piece.len()) };
+                staging.copy_from_slice(piece);
                 // SAFETY: `buf` holds the piece until the event recorded next completes (the
-                // pool keeps the chunk until then); `dst` per contract.
-                unsafe { ops.copy(dst + off, buf, piece.len(), CopyKind::HostToDevice, stream)? };
+                // pool keeps the buffer until then); `dst` per contract.
+                unsafe {
+                    ops.copy(
+                        dst + off as u64,
+                        buf,
+                        piece.len(),
+                        CopyKind::HostToDevice,
+                        stream,
+                    )?
+                };
                 evs[b] = Some(ops.record_event(stream)?);
             }
-            Ok(())
         })();
         let done = r.and_then(|()| ops.record_event(stream));
-        // chunks go back with their copies' events: reused only once those complete
-        self.give_back(ops, bufs, evs);
+        self.give_back(bufs, evs);
         done
     }
 
-    /// One lane of a device→host copy: two chunks in flight, emptied in order.
+    /// One lane of a device→host copy: two chunks in flight; the older is emptied into `dst`
+    /// while the newer is on the link.
     ///
     /// # Safety
-    /// `src` must be device memory valid for `dst.len()` bytes.
+    /// `src` must be device memory valid for `len` bytes; `dst` must be valid for `len` bytes
+    /// and written by no one else but the lanes, which take distinct chunks.
     unsafe fn lane_d2h(
         &self,
-        ops: &dyn Backend,
         stream: Stream,
-        dst: &mut [u8],
+        dst: SendPtr,
+        len: usize,
         src: DevPtr,
+        next: &AtomicUsize,
+        chunk: usize,
     ) -> Result<Event> {
-        let chunk = self.config.chunk_bytes.min(dst.len());
-        let n = dst.len().div_ceil(chunk);
-        let len = dst.len();
+        let ops = &*self.ops;
         let mut bufs: [Option<PinnedBlock>; 2] = [None, None];
         let mut evs: [Option<Event>; 2] = [None, None];
-        let piece = |k: usize| (k * chunk, chunk.min(len - k * chunk));
-        // SAFETY (closure): chunk `k` of `src` is valid device memory (contract) and lands in
-        // a pool chunk of ours that nothing else uses until its event completes.
-        let enqueue = |k: usize, buf: &PinnedBlock| -> Result<Event> {
-            let (off, m) = piece(k);
+        // the chunk (offset, length) each buffer holds
+        let mut held: [Option<(usize, usize)>; 2] = [None, None];
+        let take = || {
+            let off = next.fetch_add(1, Ordering::Relaxed) * chunk;
+            (off < len).then(|| (off, chunk.min(len - off)))
+        };
+        // SAFETY (closure): the chunk lies in `src` (contract) and lands in a buffer of ours
+        // that nothing else uses until its event completes.
+        let enqueue = |(off, m): (usize, usize), buf: &PinnedBlock| -> Result<Event> {
             unsafe {
                 ops.copy(
                     buf.ptr(),
@@ -424,34 +475,40 @@ impl TransferEngine {
             ops.record_event(stream)
         };
         let r = (|| -> Result<()> {
-            for k in 0..n.min(2) {
-                let buf = self.pinned.allocate(chunk)?;
-                evs[k] = Some(enqueue(k, &buf)?);
-                bufs[k] = Some(buf);
-            }
-            for k in 0..n {
-                let b = k & 1;
-                if let Some(ev) = evs[b].take() {
-                    let r = ops.sync_event(ev);
-                    ops.destroy_event(ev);
-                    r?;
+            for b in 0..2 {
+                if let Some(piece) = take() {
+                    let buf = self.pinned.allocate(chunk)?;
+                    evs[b] = Some(enqueue(piece, &buf)?);
+                    bufs[b] = Some(buf);
+                    held[b] = Some(piece);
                 }
-                let (off, m) = piece(k);
+            }
+            let mut b = 0;
+            while let Some((off, m)) = held[b].take() {
+                self.settle(&mut evs[b])?;
                 let buf = bufs[b].as_ref().map_or(0, |x| x.ptr());
-                // SAFETY: the chunk's copy completed (synchronised above); it holds `m` bytes.
+                // SAFETY: the buffer's copy completed (settled above) and it holds `m` bytes;
+                // `[off, off + m)` is this lane's chunk of `dst` (contract).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(buf as *const u8, dst[off..].as_mut_ptr(), m)
-                };
-                if k + 2 < n {
-                    if let Some(bb) = &bufs[b] {
-                        evs[b] = Some(enqueue(k + 2, bb)?);
-                    }
+                    let (s, d) = (
+                        std::slice::from_raw_parts(buf as *const u8, m),
+                        std::slice::from_raw_parts_mut(dst.0.add(off), m),
+                    );
+                    d.copy_from_slice(s);
+                }
+                if let (Some(piece), Some(bb)) = (take(), &bufs[b]) {
+                    evs[b] = Some(enqueue(piece, bb)?);
+                    held[b] = Some(piece);
+                }
+                b ^= 1;
+                if held[b].is_none() {
+                    b ^= 1;
                 }
             }
             Ok(())
         })();
-        // on error a chunk may still be filling: its event goes back with it
-        self.give_back(ops, bufs, evs);
+        // on error a buffer may still be filling: its event goes back with it
+        self.give_back(bufs, evs);
         r?;
         ops.record_event(stream)
     }
@@ -471,13 +528,13 @@ mod tests {
     use crate::resource::host::HostResource;
     use crate::resource::Resource;
 
-    fn engine(chunk: usize, lanes: usize) -> TransferEngine {
+    fn engine(chunk: usize, threads: usize) -> TransferEngine {
         TransferEngine::new(
             Arc::new(HostResource::new()),
             PinnedPool::host(),
             StagingConfig {
                 chunk_bytes: chunk,
-                lanes,
+                threads,
                 min_staged_bytes: 1,
             },
         )
@@ -486,9 +543,17 @@ mod tests {
     #[test]
     fn staged_round_trip_at_odd_sizes() {
         let dev = HostResource::new();
-        for (chunk, lanes) in [(4096, 1), (4096, 3), (8192, 4)] {
-            let e = engine(chunk, lanes);
-            for len in [1usize, 4095, 4096, 4097, 3 * 4096 + 5, 100_003] {
+        for (chunk, threads) in [(4096, 1), (4096, 3), (1 << 20, 4)] {
+            let e = engine(chunk, threads);
+            for len in [
+                1usize,
+                4095,
+                4096,
+                4097,
+                3 * 4096 + 5,
+                100_003,
+                (3 << 20) + 7,
+            ] {
                 let src: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
                 let d = dev.allocate(Stream::DEFAULT, len, 256).unwrap();
                 for how in [
@@ -505,7 +570,10 @@ mod tests {
                         e.device_to_host(&mut back, d, Stream::DEFAULT, how)
                             .unwrap();
                     }
-                    assert_eq!(back, src, "len {len} chunk {chunk} lanes {lanes} {how:?}");
+                    assert_eq!(
+                        back, src,
+                        "len {len} chunk {chunk} threads {threads} {how:?}"
+                    );
                 }
                 dev.deallocate(d, len, Stream::DEFAULT).unwrap();
                 e.pinned_pool().check_invariants().unwrap();
