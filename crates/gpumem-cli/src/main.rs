@@ -2,6 +2,8 @@
 
 mod bench;
 mod transfer_bench;
+#[cfg(feature = "cuda")]
+mod unified_bench;
 mod viz;
 
 use bench::{Plan, Row};
@@ -129,6 +131,20 @@ enum BenchWhat {
         /// GPUMEM_CONF or the defaults.
         #[arg(long)]
         conf: Option<String>,
+    },
+    /// Unified memory on the GPU: a kernel over automatically prefetched unified buffers
+    /// (managed and mirrored) against device memory and raw managed memory, and the speed of
+    /// moving their data each way against pinned memcpy.
+    Unified {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Repetitions per figure (medians).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
     },
 }
 
@@ -340,6 +356,42 @@ fn bench_transfer(
         transfer_bench::print(&out);
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn bench_unified(json: bool, device: usize, reps: usize) -> Result<(), String> {
+    if !gpumem::device::cuda_available() {
+        return Err("bench unified needs a CUDA GPU (unified memory is a device feature)".into());
+    }
+    // CUPTI's unified-memory counters, started before the device's context where possible
+    let counter = match gpumem::profile::UmCounter::start(device) {
+        Ok(c) => Some(c),
+        Err(err) => {
+            eprintln!("gpumem: no fault counts: {err}");
+            None
+        }
+    };
+    let name = gpumem::device::devices()
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .find(|d| d.ordinal == device)
+        .map(|d| format!("{} (device {})", d.name, d.ordinal))
+        .ok_or_else(|| format!("no CUDA device {device}"))?;
+    let out = unified_bench::run(device, name, reps, counter.as_ref())?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&out).map_err(|e| e.to_string())?
+        );
+    } else {
+        unified_bench::print(&out);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_unified(_: bool, _: usize, _: usize) -> Result<(), String> {
+    Err("built without the cuda feature".into())
 }
 
 #[cfg(feature = "cuda")]
@@ -570,6 +622,9 @@ fn main() -> ExitCode {
                     conf,
                 },
         } => bench_transfer(json, max_mib, device, host, conf),
+        Command::Bench {
+            what: BenchWhat::Unified { json, device, reps },
+        } => bench_unified(json, device, reps.max(1)),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

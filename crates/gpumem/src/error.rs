@@ -134,6 +134,22 @@ pub enum Error {
         /// operation
         what: String,
     },
+    /// Managed memory refused by the VRAM guard (oversubscription is opt-in).
+    #[error(
+        "managed-memory guard: {requested} more bytes would hold {would_hold} bytes of managed \
+         memory, past {fraction} of the device's {free} free bytes (oversubscription is opt-in: \
+         it can stall the whole GPU)"
+    )]
+    ManagedGuard {
+        /// bytes asked for
+        requested: u64,
+        /// managed bytes held after the request
+        would_hold: u64,
+        /// device bytes free when asked
+        free: u64,
+        /// the guard's fraction of free memory
+        fraction: f64,
+    },
     /// A malformed or inconsistent allocation trace.
     #[error("trace: {0}")]
     Trace(String),

@@ -5,7 +5,7 @@
 //!    simulated device) behind one stream-first trait;
 //! 2. [`pool`]: the caching policy, pure Rust with no CUDA calls;
 //! 3. [`adaptor`]: budgets and leak tracking that wrap any resource;
-//! 4. [`buffer`]: typed RAII buffers ([`DeviceBuffer`], [`PinnedBuffer`]) and the
+//! 4. [`buffer`]: typed RAII buffers ([`DeviceBuffer`], [`PinnedBuffer`], [`UnifiedBuffer`]) and the
 //!    [`transfer`] engine that moves their bytes;
 //! 5. front ends: the [`CachingAllocator`] here, the `gpumem` CLI.
 //!
@@ -29,6 +29,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod pool;
+pub mod profile;
 pub mod resource;
 pub mod trace;
 pub mod transfer;
@@ -36,6 +37,7 @@ pub mod workload;
 
 pub use allocator::{Allocation, CachingAllocator};
 pub use buffer::pinned::{PinnedBuffer, PinnedHost, PinnedRegistration};
+pub use buffer::unified::{Placement, UnifiedBuffer, UnifiedMemory};
 #[cfg(feature = "cuda")]
 pub use buffer::{CudarcView, CudarcViewMut};
 pub use buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
@@ -44,5 +46,5 @@ pub use device::DeviceInfo;
 pub use error::{Error, OomReport, Result};
 pub use pool::pinned::{PinnedPool, PinnedStats};
 pub use pool::stats::Stats;
-pub use resource::{Backend, DevPtr, Location, Resource, Stream, StreamOps};
+pub use resource::{Advice, Backend, DevPtr, Location, MemPlace, Resource, Stream, StreamOps};
 pub use transfer::{StagingConfig, Transfer, TransferEngine};

@@ -7,6 +7,7 @@
 //! call [`DeviceBuffer::record_stream`] for another stream.
 
 pub mod pinned;
+pub mod unified;
 
 use crate::allocator::{Allocation, CachingAllocator};
 use crate::buffer::pinned::PinnedHost;

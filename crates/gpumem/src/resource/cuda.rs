@@ -4,7 +4,7 @@
 //! with PyTorch, CuPy and cudarc in the same process. This is the FFI edge: every `unsafe` block is a
 //! driver call on handles this module owns.
 
-use super::{CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream};
+use super::{Advice, CopyKind, DevPtr, Event, Location, MemInfo, MemPlace, Resource, Stream};
 use crate::error::{Error, Result};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use std::sync::Arc;
@@ -492,6 +492,18 @@ pub struct CudaAsyncPool {
     pool: usize,
 }
 
+/// The one place `CUmemLocation` literals are built (its layout changes across CUDA
+/// versions; see cudarc notes).
+fn mem_location(p: MemPlace) -> sys::CUmemLocation {
+    match p {
+        MemPlace::Host => sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+            id: 0,
+        },
+        MemPlace::Device(d) => device_location(d),
+    }
+}
+
 fn device_location(ordinal: usize) -> sys::CUmemLocation {
     sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -698,6 +710,7 @@ pub struct CudaManaged {
     ops: CudaOps,
     ordinal: usize,
     guard: f64,
+    oversubscribe: bool,
     live: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, usize>>,
 }
 
@@ -710,8 +723,62 @@ impl CudaManaged {
             ops,
             ordinal,
             guard: 0.8,
+            oversubscribe: false,
             live: Default::default(),
         })
+    }
+
+    /// The guard's fraction of free device memory (default 0.8), in (0, 1].
+    pub fn with_guard(mut self, fraction: f64) -> Result<Self> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "managed guard fraction {fraction} must be in (0, 1]"
+            )));
+        }
+        self.guard = fraction;
+        Ok(self)
+    }
+
+    /// Allow managed memory past the guard (oversubscription: pages are evicted to the host
+    /// as the device fills). Explicit opt-in: it can stall the whole GPU, so never on shared
+    /// machines.
+    pub fn allow_oversubscription(mut self) -> Self {
+        self.oversubscribe = true;
+        self
+    }
+
+    /// The device this memory is created on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Apply `advice` to `[ptr, ptr + bytes)`.
+    ///
+    /// # Safety
+    /// The range must lie in managed memory from this resource.
+    pub unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()> {
+        use sys::CUmem_advise as A;
+        let (a, loc) = match advice {
+            Advice::ReadMostly(true) => (A::CU_MEM_ADVISE_SET_READ_MOSTLY, self.here()),
+            Advice::ReadMostly(false) => (A::CU_MEM_ADVISE_UNSET_READ_MOSTLY, self.here()),
+            Advice::PreferredLocation(Some(l)) => {
+                (A::CU_MEM_ADVISE_SET_PREFERRED_LOCATION, mem_location(l))
+            }
+            Advice::PreferredLocation(None) => {
+                (A::CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION, self.here())
+            }
+            Advice::AccessedBy(d, true) => (A::CU_MEM_ADVISE_SET_ACCESSED_BY, device_location(d)),
+            Advice::AccessedBy(d, false) => {
+                (A::CU_MEM_ADVISE_UNSET_ACCESSED_BY, device_location(d))
+            }
+        };
+        self.ops.bind()?;
+        // SAFETY: the caller guarantees the range (contract above).
+        unsafe { result::mem_advise(ptr, bytes, a, loc) }.map_err(|e| cuda_err("cuMemAdvise", e))
+    }
+
+    fn here(&self) -> sys::CUmemLocation {
+        device_location(self.ordinal)
     }
 
     /// Bytes of managed memory this resource holds.
@@ -743,10 +810,7 @@ impl CudaManaged {
     /// The range must lie in managed memory from this resource.
     pub unsafe fn prefetch_to_host(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()> {
         self.ops.bind()?;
-        let host = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-            id: 0,
-        };
+        let host = mem_location(MemPlace::Host);
         // SAFETY: the caller guarantees the range (contract above).
         unsafe { result::mem_prefetch_async(ptr, bytes, host, raw(stream)) }
             .map_err(|e| cuda_err("cuMemPrefetchAsync", e))
@@ -766,14 +830,16 @@ impl Resource for CudaManaged {
         }
         let free = self.ops.mem_info()?.free;
         let held = self.outstanding_bytes();
-        let allowed = (free as f64 * self.guard) as u64;
-        if held + bytes as u64 > allowed {
-            return Err(Error::Config(format!(
-                "managed-memory guard: {bytes} more bytes would take managed memory to {} bytes, \
-                 past {:.0}% of the device's {free} free bytes (oversubscription is refused)",
-                held + bytes as u64,
-                self.guard * 100.0
-            )));
+        // managed pages already on the device count against `free`: the guard compares all
+        // managed memory with what the device could hold
+        let allowed = ((free + held) as f64 * self.guard) as u64;
+        if !self.oversubscribe && held + bytes as u64 > allowed {
+            return Err(Error::ManagedGuard {
+                requested: bytes as u64,
+                would_hold: held + bytes as u64,
+                free,
+                fraction: self.guard,
+            });
         }
         self.ops.bind()?;
         // SAFETY: plain driver allocation, exposed only as an address.

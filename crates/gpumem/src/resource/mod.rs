@@ -76,6 +76,26 @@ pub enum Location {
     Managed(usize),
 }
 
+/// Where managed memory can live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum MemPlace {
+    /// host memory
+    Host,
+    /// a device's memory
+    Device(usize),
+}
+
+/// Advice for unified (managed) memory, as cuMemAdvise takes it: each can be set and unset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Advice {
+    /// read-mostly: reads make read-only copies where they happen (writes collapse them)
+    ReadMostly(bool),
+    /// where the pages prefer to live (`None` unsets)
+    PreferredLocation(Option<MemPlace>),
+    /// device `n` maps the pages so that its accesses do not fault (true sets, false unsets)
+    AccessedBy(usize, bool),
+}
+
 /// The raw-resource trait: stream-first allocate and deallocate.
 ///
 /// Implementations are thread-safe and cheap to call concurrently; they do no caching
