@@ -363,7 +363,8 @@ fn bench_unified(json: bool, device: usize, reps: usize) -> Result<(), String> {
     if !gpumem::device::cuda_available() {
         return Err("bench unified needs a CUDA GPU (unified memory is a device feature)".into());
     }
-    // CUPTI's unified-memory counters, started before the device's context where possible
+    // CUPTI's unified-memory counters: after CUDA is initialised (cuInit), before the
+    // device's context exists
     let counter = match gpumem::profile::UmCounter::start(device) {
         Ok(c) => Some(c),
         Err(err) => {

@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpumem::buffer::unified::DeviceView;
-use gpumem::profile::UmCounter;
+use gpumem::profile::{UmCounter, UmCounts};
 use gpumem::resource::cuda::CudaManaged;
 use gpumem::{
     CachingAllocator, Config, DeviceBuffer, PinnedBuffer, Placement, Resource, Stream, StreamOps,
@@ -27,8 +27,8 @@ pub struct KernelRow {
     pub ms: f64,
     /// against the same kernel on device memory
     pub ratio: f64,
-    /// GPU page-fault groups CUPTI counted during the timed kernels (None: no CUPTI)
-    pub gpu_page_faults: Option<u64>,
+    /// what CUPTI counted during all the timed kernels (None: no CUPTI)
+    pub during_kernels: Option<UmCounts>,
 }
 
 #[derive(Debug, Serialize)]
@@ -96,12 +96,20 @@ fn ptrs(x: &DeviceView<'_, f32>, y: &DeviceView<'_, f32>) -> (u64, u64) {
     (y.device_ptr(), x.device_ptr())
 }
 
-/// Faults counted while `f` runs (None where the counter is not running).
-fn faults<R>(c: Option<&UmCounter>, f: impl FnOnce() -> Res<R>) -> Res<(R, Option<u64>)> {
-    let before = c.map(|c| c.read()).transpose().map_err(e)?;
+/// Unified-memory counts while `f` runs (None where the counter is not running).
+fn faults<R>(c: Option<&UmCounter>, f: impl FnOnce() -> Res<R>) -> Res<(R, Option<UmCounts>)> {
+    let before = c.map(|c| c.read_settled()).transpose().map_err(e)?;
     let r = f()?;
-    let after = c.map(|c| c.read()).transpose().map_err(e)?;
-    Ok((r, before.zip(after).map(|(b, a)| (a - b).gpu_page_faults)))
+    let after = c.map(|c| c.read_settled()).transpose().map_err(e)?;
+    Ok((r, before.zip(after).map(|(b, a)| a - b)))
+}
+
+fn add(a: Option<UmCounts>, b: Option<UmCounts>) -> Option<UmCounts> {
+    a.zip(b).map(|(a, b)| UmCounts {
+        gpu_page_faults: a.gpu_page_faults + b.gpu_page_faults,
+        bytes_htod: a.bytes_htod + b.bytes_htod,
+        bytes_dtoh: a.bytes_dtoh + b.bytes_dtoh,
+    })
 }
 
 pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCounter>) -> Res<Out> {
@@ -127,14 +135,14 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
     let mut scratch = vec![0f32; n];
     k.timed(y.device_ptr(), x.device_ptr(), n)?;
     let mut times = Vec::new();
-    let mut faulted = Some(0);
+    let mut faulted = Some(UmCounts::default());
     for _ in 0..reps {
         // the same host work and copy-in between kernels as the unified rows below have
         scratch.fill(0.0);
         y.copy_from_host(&scratch).map_err(e)?;
         let (t, f) = faults(counter, || k.timed(y.device_ptr(), x.device_ptr(), n))?;
         times.push(t);
-        faulted = faulted.zip(f).map(|(a, b)| a + b);
+        faulted = add(faulted, f);
     }
     let dev = median(times);
     drop(scratch);
@@ -150,7 +158,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
     let mx = m.allocate(s, bytes, 4096).map_err(e)?;
     let my = m.allocate(s, bytes, 4096).map_err(e)?;
     let mut raw = Vec::new();
-    let mut faulted = Some(0);
+    let mut faulted = Some(UmCounts::default());
     for _ in 0..reps.min(3) {
         // SAFETY: both are fresh managed blocks of `bytes` bytes; no kernel runs meanwhile.
         unsafe {
@@ -159,7 +167,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
         }
         let (t, f) = faults(counter, || k.timed(my, mx, n))?;
         raw.push(t);
-        faulted = faulted.zip(f).map(|(a, b)| a + b);
+        faulted = add(faulted, f);
     }
     kernel.push((
         "raw managed, left on the host".into(),
@@ -238,7 +246,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
         let mut x = UnifiedBuffer::from_slice(&um, s, &host_x).map_err(e)?;
         let mut y = UnifiedBuffer::<f32>::zeroed(&um, s, n).map_err(e)?;
         let mut times = Vec::new();
-        let mut faulted = Some(0);
+        let mut faulted = Some(UmCounts::default());
         for _ in 0..reps {
             y.host_mut().map_err(e)?.fill(0.0); // host writes: the data must move again
             let (yp, xp) = {
@@ -248,7 +256,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
             st.synchronize().map_err(e)?; // the prefetch is not the kernel's time
             let (t, f) = faults(counter, || k.timed(yp, xp, n))?;
             times.push(t);
-            faulted = faulted.zip(f).map(|(a, b)| a + b);
+            faulted = add(faulted, f);
         }
         kernel.push((
             format!("{name}, prefetched automatically"),
@@ -309,11 +317,11 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
         kernel_bytes: 2 * bytes as u64,
         kernel: kernel
             .into_iter()
-            .map(|(memory, t, gpu_page_faults)| KernelRow {
+            .map(|(memory, t, during_kernels)| KernelRow {
                 memory,
                 ms: t * 1e3,
                 ratio: t / dev,
-                gpu_page_faults,
+                during_kernels,
             })
             .collect(),
         moves,
@@ -331,15 +339,19 @@ fn mv(path: &str, dir: &str, bytes: usize, secs: f64) -> MoveRow {
 
 pub fn print(out: &Out) {
     println!(
-        "axpy over 2 x {} MiB on {} (median kernel time; ratio to device memory; GPU page \
-         faults CUPTI counted during all timed kernels)",
+        "axpy over 2 x {} MiB on {} (median kernel time; ratio to device memory; what \
+         CUPTI counted during all timed kernels)",
         out.kernel_bytes >> 21,
         out.device
     );
     for r in &out.kernel {
-        let f = r
-            .gpu_page_faults
-            .map_or("(no CUPTI)".to_string(), |f| format!("{f} faults"));
+        let f = r.during_kernels.map_or("(no CUPTI)".to_string(), |c| {
+            format!(
+                "{} fault groups, {} MiB migrated",
+                c.gpu_page_faults,
+                (c.bytes_htod + c.bytes_dtoh) >> 20
+            )
+        });
         println!("  {:<42} {:>9.3} ms {:>8.2}x  {f}", r.memory, r.ms, r.ratio);
     }
     println!("moving a buffer's data (GB/s, median)");

@@ -37,7 +37,7 @@ pub mod workload;
 
 pub use allocator::{Allocation, CachingAllocator};
 pub use buffer::pinned::{PinnedBuffer, PinnedHost, PinnedRegistration};
-pub use buffer::unified::{Placement, UnifiedBuffer, UnifiedMemory};
+pub use buffer::unified::{ManagedOptions, Placement, UnifiedBuffer, UnifiedMemory};
 #[cfg(feature = "cuda")]
 pub use buffer::{CudarcView, CudarcViewMut};
 pub use buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};

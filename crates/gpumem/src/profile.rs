@@ -4,7 +4,7 @@
 //! fault.
 //!
 //! ```ignore
-//! let counter = gpumem::profile::UmCounter::start(0)?;   // before the CUDA context, ideally
+//! let counter = gpumem::profile::UmCounter::start(0)?;   // after cuInit, before the context
 //! // ... work ...
 //! let before = counter.read()?;
 //! // ... a kernel ...
@@ -199,8 +199,9 @@ mod imp {
     }
 }
 
-/// A running unified-memory counter (one per process at a time). CUPTI counts unified-memory
-/// events most reliably when started before the device's context is created.
+/// A running unified-memory counter (one per process at a time). Start it after CUDA is
+/// initialised (CUPTI refuses before cuInit) and before the device's context is created
+/// (CUPTI's unified-memory counting wants that).
 #[derive(Debug)]
 pub struct UmCounter {
     running: bool,
@@ -241,6 +242,22 @@ impl UmCounter {
         }
         #[cfg(not(feature = "cupti"))]
         Ok(UmCounts::default())
+    }
+
+    /// Totals once CUPTI has delivered everything: the unified-memory driver reports fault
+    /// groups and migrations a little after they happen, so this reads until two reads 20 ms
+    /// apart agree (at most about a second). Call it after synchronising the work of interest.
+    pub fn read_settled(&self) -> Result<UmCounts> {
+        let mut last = self.read()?;
+        for _ in 0..50 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let now = self.read()?;
+            if now == last {
+                return Ok(now);
+            }
+            last = now;
+        }
+        Ok(last)
     }
 
     /// Stop and return the totals.

@@ -126,12 +126,40 @@ fn concurrent_managed(location: Location) -> bool {
     }
 }
 
+/// Options of the managed pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ManagedOptions {
+    /// managed memory may hold at most this fraction of (free + managed) device memory
+    pub guard_fraction: f64,
+    /// allow managed memory past the guard (pages then evict to the host as the device fills);
+    /// it can stall the whole GPU, so only by explicit choice and never on shared machines
+    pub allow_oversubscription: bool,
+}
+
+impl Default for ManagedOptions {
+    fn default() -> Self {
+        Self {
+            guard_fraction: 0.8,
+            allow_oversubscription: false,
+        }
+    }
+}
+
 impl UnifiedMemory {
     /// Unified memory on `device`'s device. `Placement::Auto` picks managed memory where the
     /// device has concurrent managed access (Pascal and later on Linux) and the mirrored
     /// placement elsewhere (and on the host backend); `Managed` where it is missing is an
     /// error.
     pub fn new(device: &CachingAllocator, placement: Placement) -> Result<Self> {
+        Self::with_options(device, placement, ManagedOptions::default())
+    }
+
+    /// As [`UnifiedMemory::new`], with the managed pool's guard options.
+    pub fn with_options(
+        device: &CachingAllocator,
+        placement: Placement,
+        options: ManagedOptions,
+    ) -> Result<Self> {
         let location = device.location();
         let resolved = match placement {
             Placement::Auto if concurrent_managed(location) => Placement::Managed,
@@ -147,7 +175,12 @@ impl UnifiedMemory {
         let managed = match (resolved, location) {
             #[cfg(feature = "cuda")]
             (Placement::Managed, Location::Cuda(ordinal)) => {
-                let res = Arc::new(crate::resource::cuda::CudaManaged::new(ordinal)?);
+                let mut res = crate::resource::cuda::CudaManaged::new(ordinal)?
+                    .with_guard(options.guard_fraction)?;
+                if options.allow_oversubscription {
+                    res = res.allow_oversubscription();
+                }
+                let res = Arc::new(res);
                 let config = crate::Config {
                     expandable_segments: false,
                     shards: Some(1),
@@ -158,7 +191,10 @@ impl UnifiedMemory {
                     pool: CachingAllocator::new(res, config)?,
                 })
             }
-            _ => None,
+            _ => {
+                let _ = options;
+                None
+            }
         };
         Ok(Self {
             inner: Arc::new(UInner {
