@@ -131,6 +131,9 @@ enum BenchWhat {
         /// GPUMEM_CONF or the defaults.
         #[arg(long)]
         conf: Option<String>,
+        /// Peer copies between devices 0 and 1 instead (needs two GPUs).
+        #[arg(long)]
+        peer: bool,
     },
     /// Unified memory on the GPU: a kernel over automatically prefetched unified buffers
     /// (managed and mirrored) against device memory and raw managed memory, and the speed of
@@ -356,6 +359,31 @@ fn bench_transfer(
         transfer_bench::print(&out);
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn bench_peer(json: bool, max_mib: usize) -> Result<(), String> {
+    let n = gpumem::device::device_count();
+    if n < 2 {
+        return Err(format!(
+            "bench transfer --peer needs two CUDA GPUs (found {n})"
+        ));
+    }
+    let out = transfer_bench::peer(max_mib)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&out).map_err(|e| e.to_string())?
+        );
+    } else {
+        transfer_bench::print(&out);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_peer(_: bool, _: usize) -> Result<(), String> {
+    Err("built without the cuda feature".into())
 }
 
 #[cfg(feature = "cuda")]
@@ -621,8 +649,15 @@ fn main() -> ExitCode {
                     device,
                     host,
                     conf,
+                    peer,
                 },
-        } => bench_transfer(json, max_mib, device, host, conf),
+        } => {
+            if peer {
+                bench_peer(json, max_mib)
+            } else {
+                bench_transfer(json, max_mib, device, host, conf)
+            }
+        }
         Command::Bench {
             what: BenchWhat::Unified { json, device, reps },
         } => bench_unified(json, device, reps.max(1)),

@@ -356,3 +356,92 @@ pub fn print(out: &Out) {
         );
     }
 }
+
+/// Peer copies between devices 0 and 1: gpumem buffers (pooled, virtual-memory pages with
+/// peer access granted) against a bare cuMemcpyPeerAsync between cuMemAlloc blocks, with
+/// peer access enabled both ways.
+#[cfg(feature = "cuda")]
+pub fn peer(max_mib: usize) -> Res<Out> {
+    use gpumem::resource::cuda::{primary_context, CudaDevice};
+    use gpumem::resource::Resource;
+    let set = gpumem::DeviceSet::new(gpumem::Config::default());
+    set.enable_peer_access(0, 1).map_err(e)?;
+    set.enable_peer_access(1, 0).map_err(e)?;
+    let sizes: Vec<usize> = [1usize << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+        .into_iter()
+        .filter(|&s| s <= (max_mib << 20).max(1 << 20))
+        .collect();
+    let max = *sizes.last().unwrap_or(&(1 << 20));
+    let ctx = [
+        primary_context(0).map_err(e)?,
+        primary_context(1).map_err(e)?,
+    ];
+    let st = [
+        ctx[0].new_stream().map_err(|x| format!("{x:?}"))?,
+        ctx[1].new_stream().map_err(|x| format!("{x:?}"))?,
+    ];
+    let s = [Stream::from(&*st[0]), Stream::from(&*st[1])];
+    let a = [set.allocator(0).map_err(e)?, set.allocator(1).map_err(e)?];
+    let mut b0 = DeviceBuffer::<u8>::zeroed(a[0], s[0], max).map_err(e)?;
+    let mut b1 = DeviceBuffer::<u8>::zeroed(a[1], s[1], max).map_err(e)?;
+    let raw = [
+        CudaDevice::new(0).map_err(e)?.without_vmm(),
+        CudaDevice::new(1).map_err(e)?.without_vmm(),
+    ];
+    let r0 = raw[0].allocate(s[0], max, 256).map_err(e)?;
+    let r1 = raw[1].allocate(s[1], max, 256).map_err(e)?;
+    let mut rows = Vec::new();
+    for &n in &sizes {
+        let t = time(n, || {
+            b1.slice_mut(..n)
+                .map_err(e)?
+                .copy_from_device(&b0.slice(..n).map_err(e)?)
+                .map_err(e)?;
+            b1.synchronize().map_err(e)
+        })?;
+        rows.push(row("gpumem peer", "0->1", n, t));
+        let t = time(n, || {
+            b0.slice_mut(..n)
+                .map_err(e)?
+                .copy_from_device(&b1.slice(..n).map_err(e)?)
+                .map_err(e)?;
+            b0.synchronize().map_err(e)
+        })?;
+        rows.push(row("gpumem peer", "1->0", n, t));
+        for (dir, dst, src, i) in [("0->1", r1, r0, 1usize), ("1->0", r0, r1, 0usize)] {
+            let t = time(n, || {
+                // SAFETY: both are live cuMemAlloc blocks of `max >= n` bytes; the contexts are
+                // the devices' primary contexts; the stream is device i's.
+                let r = unsafe {
+                    cudarc::driver::sys::cuMemcpyPeerAsync(
+                        dst,
+                        ctx[i].cu_ctx(),
+                        src,
+                        ctx[1 - i].cu_ctx(),
+                        n,
+                        st[i].cu_stream(),
+                    )
+                };
+                if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                    return Err(format!("cuMemcpyPeerAsync: {r:?}"));
+                }
+                raw[i].synchronize(s[i]).map_err(e)
+            })?;
+            rows.push(row("raw cuMemcpyPeerAsync", dir, n, t));
+        }
+    }
+    raw[0].deallocate(r0, max, s[0]).map_err(e)?;
+    raw[1].deallocate(r1, max, s[1]).map_err(e)?;
+    let names: Vec<String> = gpumem::device::devices()
+        .map_err(e)?
+        .into_iter()
+        .take(2)
+        .map(|d| d.name)
+        .collect();
+    Ok(Out {
+        device: format!("devices 0 and 1 ({})", names.join(", ")),
+        rows,
+        pinned_alloc: Vec::new(),
+        staging: "peer access enabled both ways".into(),
+    })
+}

@@ -486,6 +486,12 @@ impl Resource for CachingAllocator {
     fn location(&self) -> Location {
         self.inner.backend.location()
     }
+    fn grant_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.backend.grant_peer_access(peer)
+    }
+    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
+        self.inner.backend.can_access(ptr)
+    }
 }
 
 crate::adaptor::forward_stream_ops!(CachingAllocator, |s| s.inner.backend);

@@ -112,6 +112,14 @@ impl Resource for Limit {
         self.used.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }
+
+    fn grant_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.grant_peer_access(peer)
+    }
+
+    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
+        self.inner.can_access(ptr)
+    }
 }
 
 forward_stream_ops!(Limit, |s| s.inner);

@@ -129,6 +129,14 @@ impl Resource for Tracking {
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner.unmap(addr, bytes)
     }
+
+    fn grant_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.grant_peer_access(peer)
+    }
+
+    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
+        self.inner.can_access(ptr)
+    }
 }
 
 forward_stream_ops!(Tracking, |s| s.inner);

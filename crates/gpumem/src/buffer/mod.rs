@@ -145,6 +145,17 @@ fn device_copy<T: Pod>(
 ) -> Result<()> {
     let (dops, sops) = (dst.ops(), src.ops());
     let peer = dst.alloc.location() != src.alloc.location();
+    if peer && dst.alloc.can_access(src_ptr) == Some(false) {
+        return Err(Error::Unsupported {
+            backend: dst.alloc.backend().name().to_string(),
+            what: format!(
+                "a peer copy from {:?} memory to {:?}: the destination device has no access to \
+                 the source (enable it: DeviceSet::enable_peer_access(destination, source))",
+                src.alloc.location(),
+                dst.alloc.location()
+            ),
+        });
+    }
     if src.stream != dst.stream || peer {
         let ev = sops.record_event(src.stream)?;
         let r = dops.wait_event(dst.stream, ev);

@@ -245,6 +245,8 @@ pub struct CudaDevice {
     page: Option<u64>,
     /// physical handle of every mapped page, by address
     handles: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, u64>>,
+    /// other devices that get access to every mapped page
+    peers: parking_lot::RwLock<Vec<usize>>,
 }
 
 fn alloc_prop(ordinal: usize) -> sys::CUmemAllocationProp {
@@ -295,6 +297,7 @@ impl CudaDevice {
             ordinal,
             page: vmm_granularity(ordinal),
             handles: Default::default(),
+            peers: Default::default(),
         })
     }
 
@@ -329,6 +332,21 @@ impl CudaDevice {
     /// The cudarc context (primary context of the device).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ops.ctx
+    }
+
+    /// Read-write access to `[addr, addr + bytes)` (mapped) for this device and its peers.
+    fn set_access(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let descs: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
+            .chain(self.peers.read().iter().copied())
+            .map(|d| sys::CUmemAccessDesc {
+                location: device_location(d),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            })
+            .collect();
+        // SAFETY: the range is mapped (callers' contract); `descs` holds `len` descriptors.
+        unsafe { sys::cuMemSetAccess(addr, bytes as usize, descs.as_ptr(), descs.len()) }
+            .result()
+            .map_err(|e| cuda_err("cuMemSetAccess", e))
     }
 }
 
@@ -432,15 +450,8 @@ impl Resource for CudaDevice {
             p += page;
         }
         if failed.is_none() {
-            let access = sys::CUmemAccessDesc {
-                location: device_location(self.ordinal),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            };
-            // SAFETY: the whole range was just mapped; `access` is one valid descriptor.
-            if let Err(e) =
-                unsafe { sys::cuMemSetAccess(addr, bytes as usize, &access, 1) }.result()
-            {
-                failed = Some(cuda_err("cuMemSetAccess", e));
+            if let Err(e) = self.set_access(addr, bytes) {
+                failed = Some(e);
             }
         }
         match failed {
@@ -466,9 +477,111 @@ impl Resource for CudaDevice {
     fn unregister_host(&self, ptr: DevPtr) -> Result<()> {
         self.ops.unregister_host(ptr)
     }
+
+    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
+        self.access_flags(ptr)
+    }
+
+    fn grant_peer_access(&self, peer: usize) -> Result<()> {
+        let count = crate::device::device_count();
+        if peer >= count {
+            return Err(Error::InvalidDevice {
+                ordinal: peer,
+                count,
+            });
+        }
+        if peer == self.ordinal || self.page.is_none() || self.peers.read().contains(&peer) {
+            return Ok(());
+        }
+        self.peers.write().push(peer);
+        // pages mapped so far, in runs of adjacent pages
+        let page = self.page.unwrap_or(1);
+        let mut pages: Vec<DevPtr> = self.handles.lock().keys().copied().collect();
+        pages.sort_unstable();
+        self.ops.bind()?;
+        let mut i = 0;
+        while i < pages.len() {
+            let start = pages[i];
+            let mut end = start + page;
+            while i + 1 < pages.len() && pages[i + 1] == end {
+                i += 1;
+                end += page;
+            }
+            self.set_access(start, end - start)?;
+            i += 1;
+        }
+        Ok(())
+    }
 }
 
 cuda_stream_ops!(CudaDevice);
+
+impl CudaDevice {
+    /// Whether this device may access `ptr` (CU_POINTER_ATTRIBUTE_ACCESS_FLAGS from this
+    /// device's context); `None` where the driver cannot say.
+    fn access_flags(&self, ptr: DevPtr) -> Option<bool> {
+        self.ops.bind().ok()?;
+        let mut flags: u32 = 0;
+        // SAFETY: the attribute is a 32-bit flag word; the driver validates the pointer.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                &mut flags as *mut u32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+                ptr,
+            )
+        }
+        .result()
+        .ok()?;
+        Some(flags != 0)
+    }
+}
+
+/// Let device `from` access device `to`'s memory directly (cuCtxEnablePeerAccess on the
+/// primary contexts; enabling twice is fine). Virtual-memory pages also need
+/// [`Resource::grant_peer_access`] on `to`'s resource.
+pub fn enable_peer_access(from: usize, to: usize) -> Result<()> {
+    if from == to {
+        return Ok(());
+    }
+    let (a, b) = (primary_context(from)?, primary_context(to)?);
+    let dev = |o: usize| result::device::get(o as i32).map_err(|e| cuda_err("cuDeviceGet", e));
+    let mut can = 0i32;
+    // SAFETY: both handles are valid devices; writes one int.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev(from)?, dev(to)?) }
+        .result()
+        .map_err(|e| cuda_err("cuDeviceCanAccessPeer", e))?;
+    if can == 0 {
+        return Err(Error::Unsupported {
+            backend: "cuda".into(),
+            what: format!("peer access from device {from} to device {to}"),
+        });
+    }
+    a.bind_to_thread()
+        .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+    // SAFETY: `b` is a live primary context; the current context is `a`'s.
+    match unsafe { sys::cuCtxEnablePeerAccess(b.cu_ctx(), 0) } {
+        sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            Ok(())
+        }
+        e => Err(cuda_err("cuCtxEnablePeerAccess", DriverError(e))),
+    }
+}
+
+/// The device a device pointer belongs to.
+pub fn pointer_device(ptr: DevPtr) -> Result<usize> {
+    let mut ordinal: i32 = -1;
+    // SAFETY: the attribute is an int; the driver validates the pointer.
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut ordinal as *mut i32 as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            ptr,
+        )
+    }
+    .result()
+    .map_err(|e| cuda_err("cuPointerGetAttribute", e))?;
+    Ok(ordinal.max(0) as usize)
+}
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {

@@ -147,6 +147,21 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
         let _ = (addr, bytes);
         Err(self.no_vmm())
     }
+    /// Let device `peer` access this resource's memory, present and future (virtual-memory
+    /// pages get a cuMemSetAccess descriptor for it). Memory that peers reach through the
+    /// context's peer access needs nothing here (the default).
+    fn grant_peer_access(&self, peer: usize) -> Result<()> {
+        let _ = peer;
+        Ok(())
+    }
+
+    /// Whether this resource's device may access `ptr` (another device's memory): `None` where
+    /// it cannot tell.
+    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
+        let _ = ptr;
+        None
+    }
+
     // ------------------------------------------------------------ host-memory registration
 
     /// Page-lock `bytes` bytes of existing host memory at `ptr` so that copies from and to it

@@ -1,0 +1,127 @@
+//! Several GPUs: one caching allocator per device behind a process-wide set, and peer access.
+//!
+//! Each device's allocator is its own [`CachingAllocator`] (its own shards and locks), made on
+//! first use; looking one up is a lock-free read, so threads working on different devices
+//! share no lock on the hot path. A buffer's device is its allocator's device.
+
+use crate::allocator::CachingAllocator;
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::resource::Resource;
+use parking_lot::Mutex;
+use std::sync::OnceLock;
+
+/// One caching allocator per device.
+#[derive(Debug)]
+pub struct DeviceSet {
+    slots: Box<[OnceLock<CachingAllocator>]>,
+    config: Config,
+    /// (from, to) pairs with peer access enabled
+    peers: Mutex<Vec<(usize, usize)>>,
+    /// serialises the creation of allocators (not their use)
+    create: Mutex<()>,
+}
+
+impl DeviceSet {
+    /// A set over every CUDA device (empty without a GPU), each allocator configured with
+    /// `config`.
+    pub fn new(config: Config) -> Self {
+        Self {
+            slots: (0..crate::device::device_count())
+                .map(|_| OnceLock::new())
+                .collect(),
+            config,
+            peers: Mutex::new(Vec::new()),
+            create: Mutex::new(()),
+        }
+    }
+
+    /// The process-wide set, configured from `GPUMEM_CONF` (the defaults where it is unset
+    /// or malformed; [`Config::from_env`] reports the error).
+    pub fn global() -> &'static DeviceSet {
+        static SET: OnceLock<DeviceSet> = OnceLock::new();
+        SET.get_or_init(|| DeviceSet::new(Config::from_env().unwrap_or_default()))
+    }
+
+    /// Number of devices.
+    pub fn count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Device `ordinal`'s allocator (made on first use).
+    pub fn allocator(&self, ordinal: usize) -> Result<&CachingAllocator> {
+        let slot = self.slots.get(ordinal).ok_or(Error::InvalidDevice {
+            ordinal,
+            count: self.slots.len(),
+        })?;
+        if let Some(a) = slot.get() {
+            return Ok(a);
+        }
+        let _one_at_a_time = self.create.lock();
+        if let Some(a) = slot.get() {
+            return Ok(a);
+        }
+        let a = self.make(ordinal)?;
+        Ok(slot.get_or_init(|| a))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn make(&self, ordinal: usize) -> Result<CachingAllocator> {
+        let a = CachingAllocator::cuda(ordinal, self.config.clone())?;
+        // peers enabled before this allocator existed get access to its pages too
+        for &(from, to) in self.peers.lock().iter() {
+            if to == ordinal {
+                a.grant_peer_access(from)?;
+            }
+        }
+        Ok(a)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn make(&self, ordinal: usize) -> Result<CachingAllocator> {
+        Err(Error::InvalidDevice { ordinal, count: 0 })
+    }
+
+    /// Let device `from` access device `to`'s memory directly: the contexts' peer access, and
+    /// access to `to`'s virtual-memory pages (present and future). Both directions are
+    /// separate calls.
+    pub fn enable_peer_access(&self, from: usize, to: usize) -> Result<()> {
+        let count = self.count();
+        for d in [from, to] {
+            if d >= count {
+                return Err(Error::InvalidDevice { ordinal: d, count });
+            }
+        }
+        if from == to || self.peers.lock().contains(&(from, to)) {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        crate::resource::cuda::enable_peer_access(from, to)?;
+        self.peers.lock().push((from, to));
+        if let Some(a) = self.slots[to].get() {
+            a.grant_peer_access(from)?;
+        }
+        Ok(())
+    }
+
+    /// True once [`DeviceSet::enable_peer_access`] succeeded for (from, to).
+    pub fn peer_enabled(&self, from: usize, to: usize) -> bool {
+        from == to || self.peers.lock().contains(&(from, to))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_ordinal_is_an_error() {
+        let set = DeviceSet::new(Config::default());
+        let n = set.count();
+        assert!(matches!(
+            set.allocator(n),
+            Err(Error::InvalidDevice { ordinal, count }) if ordinal == n && count == n
+        ));
+        assert!(set.enable_peer_access(0, n).is_err());
+    }
+}
