@@ -110,17 +110,7 @@ impl Resource for Tracking {
     }
 
     // virtual-memory pages are not allocations: they pass through untracked
-    fn vmm_page_size(&self) -> Option<u64> {
-        self.inner.vmm_page_size()
-    }
-
-    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
-        self.inner.reserve_address(bytes)
-    }
-
-    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        self.inner.release_address(addr, bytes)
-    }
+    crate::adaptor::forward_resource_passthrough!(inner);
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner.map(addr, bytes)
@@ -128,14 +118,6 @@ impl Resource for Tracking {
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner.unmap(addr, bytes)
-    }
-
-    fn grant_peer_access(&self, peer: usize) -> Result<()> {
-        self.inner.grant_peer_access(peer)
-    }
-
-    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
-        self.inner.can_access(ptr)
     }
 }
 
