@@ -36,11 +36,17 @@ impl DeviceSet {
         }
     }
 
-    /// The process-wide set, configured from `GPUMEM_CONF` (the defaults where it is unset
-    /// or malformed; [`Config::from_env`] reports the error).
+    /// The process-wide set, configured from `GPUMEM_CONF` (the defaults where it is unset,
+    /// or malformed: then a warning is logged).
     pub fn global() -> &'static DeviceSet {
         static SET: OnceLock<DeviceSet> = OnceLock::new();
-        SET.get_or_init(|| DeviceSet::new(Config::from_env().unwrap_or_default()))
+        SET.get_or_init(|| {
+            let config = Config::from_env().unwrap_or_else(|e| {
+                tracing::warn!("gpumem: {e}; the device set uses the default configuration");
+                Config::default()
+            });
+            DeviceSet::new(config)
+        })
     }
 
     /// Number of devices.
