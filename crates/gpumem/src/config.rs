@@ -94,9 +94,6 @@ pub struct Config {
     pub staging_chunk: u64,
     /// Smallest host copy that is staged (smaller ones are one driver copy).
     pub staging_min: u64,
-    /// Staged copies as one pipeline (filler threads, one thread issuing every driver call,
-    /// on the caller's stream) instead of independent lanes.
-    pub staging_pipeline: bool,
 }
 
 impl Default for Config {
@@ -118,7 +115,6 @@ impl Default for Config {
             staging_threads: None,
             staging_chunk: 2 * MIB,
             staging_min: MIB,
-            staging_pipeline: false,
         }
     }
 }
@@ -338,7 +334,6 @@ impl Config {
                     }
                     self.staging_chunk = kb * 1024;
                 }
-                "staging_pipeline" => self.staging_pipeline = parse_bool(key, value)?,
                 "staging_min_kb" => {
                     self.staging_min = parse_u64(key, value)?.saturating_mul(1024);
                 }
@@ -348,7 +343,7 @@ impl Config {
                          garbage_collection_threshold, backend, memory_fraction, memory_limit_mb, \
                          release_threshold_mb, shards, quick_cache, cross_stream_reuse, \
                          expandable_segments, expandable_slack, expandable_move_budget, \
-                         staging_threads, staging_chunk_kb, staging_min_kb, staging_pipeline)"
+                         staging_threads, staging_chunk_kb, staging_min_kb)"
                     )))
                 }
             }

@@ -32,13 +32,6 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as above: lanes share the base address only to derive their distinct chunks.
 unsafe impl Sync for SendPtr {}
 
-impl SendPtr {
-    /// The pointer (a method, so that closures capture the whole `SendPtr`).
-    fn get(self) -> *mut u8 {
-        self.0
-    }
-}
-
 /// How a copy between ordinary host memory and the device runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transfer {
@@ -70,8 +63,6 @@ pub struct StagingConfig {
     pub threads: usize,
     /// smallest copy [`Transfer::Auto`] stages
     pub min_staged_bytes: usize,
-    /// one pipeline (filler threads, one issuing thread, the caller's stream) instead of lanes
-    pub pipeline: bool,
 }
 
 impl Default for StagingConfig {
@@ -88,7 +79,6 @@ impl StagingConfig {
             chunk_bytes: c.staging_chunk as usize,
             threads: c.staging_threads.unwrap_or(cores.clamp(1, 16)),
             min_staged_bytes: c.staging_min as usize,
-            pipeline: c.staging_pipeline,
         }
     }
 }
@@ -206,17 +196,6 @@ impl TransferEngine {
                 };
                 self.ops.synchronize(stream)
             }
-            h if self.config.pipeline => {
-                // SAFETY: per contract.
-                unsafe { self.pipelined_h2d(dst, src, stream)? };
-                if h == Transfer::Staged {
-                    let ev = self.ops.record_event(stream)?;
-                    let r = self.ops.sync_event(ev);
-                    self.ops.destroy_event(ev);
-                    r?;
-                }
-                Ok(())
-            }
             h => {
                 let done = self.staged(stream, src.len(), |lane, next, chunk| {
                     // SAFETY: per contract; lanes take distinct chunks of `dst`.
@@ -257,8 +236,6 @@ impl TransferEngine {
                 };
                 self.ops.synchronize(stream)
             }
-            // SAFETY: per contract.
-            _ if self.config.pipeline => unsafe { self.pipelined_d2h(dst, src, stream) },
             _ => {
                 let base = SendPtr(dst.as_mut_ptr());
                 let done = self.staged(stream, len, move |lane, next, chunk| {
@@ -537,330 +514,6 @@ impl TransferEngine {
     }
 }
 
-/// Slots of a pipelined copy: pinned chunks from the pool, handed between the issuing thread
-/// and the fillers by slot index.
-struct Slots {
-    bufs: Vec<PinnedBlock>,
-}
-
-impl Slots {
-    fn ptr(&self, i: usize) -> *mut u8 {
-        self.bufs[i].ptr() as *mut u8
-    }
-}
-
-impl TransferEngine {
-    /// Slots for a pipelined copy of `len` bytes: (chunk size, slots).
-    fn slots(&self, len: usize) -> Result<(usize, Slots)> {
-        let threads = self.config.threads;
-        let chunk = self.chunk_for(len, threads);
-        let n = (2 * threads).min(len.div_ceil(chunk)).max(1);
-        let mut bufs = Vec::with_capacity(n);
-        for _ in 0..n {
-            match self.pinned.allocate(chunk) {
-                Ok(b) => bufs.push(b),
-                Err(e) => {
-                    for b in bufs {
-                        let _ = self.pinned.free(b, Vec::new());
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok((chunk, Slots { bufs }))
-    }
-
-    /// Host→device as one pipeline: filler threads copy chunks into free slots; this thread
-    /// issues every driver call (the copies on `stream` itself, in order) and recycles slots
-    /// whose copies completed.
-    ///
-    /// # Safety
-    /// As [`TransferEngine::host_to_device`].
-    unsafe fn pipelined_h2d(&self, dst: DevPtr, src: &[u8], stream: Stream) -> Result<()> {
-        use crossbeam_channel::{bounded, TryRecvError};
-        let (chunk, slots) = self.slots(src.len())?;
-        let nslots = slots.bufs.len();
-        let pieces = src.len().div_ceil(chunk);
-        let (free_tx, free_rx) = bounded::<usize>(nslots);
-        let (full_tx, full_rx) = bounded::<(usize, usize)>(nslots);
-        for i in 0..nslots {
-            let _ = free_tx.send(i);
-        }
-        let next = AtomicUsize::new(0);
-        let slot_ptrs: Vec<SendPtr> = (0..nslots).map(|i| SendPtr(slots.ptr(i))).collect();
-        let ops = &*self.ops;
-        let mut inflight: std::collections::VecDeque<(usize, Event)> = Default::default();
-        let mut first_err: Option<crate::error::Error> = None;
-        let fill = |_: usize| {
-            let slot_ptrs = &slot_ptrs;
-            loop {
-                let k = next.fetch_add(1, Ordering::Relaxed);
-                if k >= pieces {
-                    return;
-                }
-                let Ok(slot) = free_rx.recv() else { return };
-                if slot == usize::MAX {
-                    return; // the issuer stopped early
-                }
-                let piece = &src[k * chunk..((k + 1) * chunk).min(src.len())];
-                // SAFETY: the slot is free (its last copy completed: the issuer recycled it)
-                // and holds `chunk >= piece.len()` bytes; only this filler writes it now.
-                let staging =
-                    unsafe { std::slice::from_raw_parts_mut(slot_ptrs[slot].0, piece.len()) };
-                staging.copy_from_slice(piece);
-                if full_tx.send((slot, k)).is_err() {
-                    return;
-                }
-            }
-        };
-        let issue = |inflight: &mut std::collections::VecDeque<(usize, Event)>,
-                     first_err: &mut Option<crate::error::Error>| {
-            let mut issued = 0;
-            while issued < pieces {
-                // recycle slots whose copies are done
-                while let Some(&(slot, ev)) = inflight.front() {
-                    match ops.event_done(ev) {
-                        Ok(true) => {
-                            inflight.pop_front();
-                            ops.destroy_event(ev);
-                            let _ = free_tx.send(slot);
-                        }
-                        Ok(false) => break,
-                        Err(e) => {
-                            first_err.get_or_insert(e);
-                            return;
-                        }
-                    }
-                }
-                match full_rx.try_recv() {
-                    Ok((slot, k)) => {
-                        let n = chunk.min(src.len() - k * chunk);
-                        // SAFETY: the slot holds piece k until the event recorded next
-                        // completes (it is recycled only then); `dst` per contract.
-                        let r = unsafe {
-                            ops.copy(
-                                dst + (k * chunk) as u64,
-                                slot_ptrs[slot].0 as DevPtr,
-                                n,
-                                CopyKind::HostToDevice,
-                                stream,
-                            )
-                        }
-                        .and_then(|()| ops.record_event(stream));
-                        match r {
-                            Ok(ev) => inflight.push_back((slot, ev)),
-                            Err(e) => {
-                                first_err.get_or_insert(e);
-                                return;
-                            }
-                        }
-                        issued += 1;
-                    }
-                    Err(TryRecvError::Empty) => std::hint::spin_loop(),
-                    Err(TryRecvError::Disconnected) => return,
-                }
-            }
-        };
-        match self.threads() {
-            Some(pool) => pool.scope(|scope| {
-                for t in 0..self.config.threads.min(pieces) {
-                    let fill = &fill;
-                    scope.spawn(move |_| fill(t));
-                }
-                issue(&mut inflight, &mut first_err);
-                // wake fillers waiting for a slot if the issuer stopped early
-                while free_rx.try_recv().is_ok() {}
-                for _ in 0..nslots {
-                    let _ = free_tx.try_send(usize::MAX);
-                }
-            }),
-            None => {
-                // one thread: fill and issue in turn
-                for k in 0..pieces {
-                    let slot = k % nslots;
-                    if inflight.len() == nslots {
-                        if let Some((_, ev)) = inflight.pop_front() {
-                            let r = ops.sync_event(ev);
-                            ops.destroy_event(ev);
-                            r?;
-                        }
-                    }
-                    let piece = &src[k * chunk..((k + 1) * chunk).min(src.len())];
-                    // SAFETY: the slot's previous copy completed (synchronised above).
-                    let staging =
-                        unsafe { std::slice::from_raw_parts_mut(slot_ptrs[slot].0, piece.len()) };
-                    staging.copy_from_slice(piece);
-                    // SAFETY: as in the threaded issuer.
-                    unsafe {
-                        ops.copy(
-                            dst + (k * chunk) as u64,
-                            slot_ptrs[slot].0 as DevPtr,
-                            piece.len(),
-                            CopyKind::HostToDevice,
-                            stream,
-                        )?
-                    };
-                    inflight.push_back((slot, ops.record_event(stream)?));
-                }
-            }
-        }
-        // slots go back with the events of their last copies
-        let mut evs: Vec<Vec<Event>> = vec![Vec::new(); nslots];
-        for (slot, ev) in inflight {
-            evs[slot].push(ev);
-        }
-        for (buf, ev) in slots.bufs.into_iter().zip(evs) {
-            if let Err(e) = self.pinned.free(buf, ev) {
-                tracing::error!("gpumem: staging slot not returned: {e}");
-            }
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-
-    /// Device→host as one pipeline: this thread issues the copies into free slots on
-    /// `stream` and hands completed ones to the filler threads, which empty them into `dst`.
-    ///
-    /// # Safety
-    /// As [`TransferEngine::device_to_host`].
-    unsafe fn pipelined_d2h(&self, dst: &mut [u8], src: DevPtr, stream: Stream) -> Result<()> {
-        use crossbeam_channel::bounded;
-        let len = dst.len();
-        let (chunk, slots) = self.slots(len)?;
-        let nslots = slots.bufs.len();
-        let pieces = len.div_ceil(chunk);
-        let slot_ptrs: Vec<SendPtr> = (0..nslots).map(|i| SendPtr(slots.ptr(i))).collect();
-        let out = SendPtr(dst.as_mut_ptr());
-        let ops = &*self.ops;
-        let (done_tx, done_rx) = bounded::<(usize, usize)>(nslots);
-        let (free_tx, free_rx) = bounded::<usize>(nslots);
-        let empty = || {
-            let slot_ptrs = &slot_ptrs;
-            while let Ok((slot, k)) = done_rx.recv() {
-                if slot == usize::MAX {
-                    return;
-                }
-                let n = chunk.min(len - k * chunk);
-                // SAFETY: the slot's copy completed (the issuer checked its event); chunk k of
-                // `dst` is written by this filler only; `dst` is borrowed for the whole call.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        slot_ptrs[slot].get(),
-                        out.get().add(k * chunk),
-                        n,
-                    )
-                };
-                if free_tx.send(slot).is_err() {
-                    return;
-                }
-            }
-        };
-        let mut first_err: Option<crate::error::Error> = None;
-        let issue = |first_err: &mut Option<crate::error::Error>| {
-            let mut inflight: std::collections::VecDeque<(usize, usize, Event)> =
-                Default::default();
-            let mut free: Vec<usize> = (0..nslots).rev().collect();
-            let (mut issued, mut handed) = (0, 0);
-            while handed < pieces {
-                while let Ok(slot) = free_rx.try_recv() {
-                    free.push(slot);
-                }
-                if issued < pieces {
-                    if let Some(slot) = free.pop() {
-                        let n = chunk.min(len - issued * chunk);
-                        // SAFETY: the slot is free (emptied by a filler); the chunk lies in
-                        // `src` (contract).
-                        let r = unsafe {
-                            ops.copy(
-                                slot_ptrs[slot].0 as DevPtr,
-                                src + (issued * chunk) as u64,
-                                n,
-                                CopyKind::DeviceToHost,
-                                stream,
-                            )
-                        }
-                        .and_then(|()| ops.record_event(stream));
-                        match r {
-                            Ok(ev) => inflight.push_back((slot, issued, ev)),
-                            Err(e) => {
-                                first_err.get_or_insert(e);
-                                break;
-                            }
-                        }
-                        issued += 1;
-                        continue;
-                    }
-                }
-                match inflight.front() {
-                    Some(&(slot, k, ev)) => match ops.event_done(ev) {
-                        Ok(true) => {
-                            inflight.pop_front();
-                            ops.destroy_event(ev);
-                            if done_tx.send((slot, k)).is_err() {
-                                break;
-                            }
-                            handed += 1;
-                        }
-                        Ok(false) => std::hint::spin_loop(),
-                        Err(e) => {
-                            first_err.get_or_insert(e);
-                            break;
-                        }
-                    },
-                    None => std::hint::spin_loop(),
-                }
-            }
-            // an early stop leaves copies in flight into slots: wait for them
-            for (_, _, ev) in inflight {
-                let _ = ops.sync_event(ev);
-                ops.destroy_event(ev);
-            }
-        };
-        match self.threads() {
-            Some(pool) => pool.scope(|scope| {
-                let fillers = self.config.threads.min(pieces);
-                for _ in 0..fillers {
-                    let empty = &empty;
-                    scope.spawn(move |_| empty());
-                }
-                issue(&mut first_err);
-                for _ in 0..fillers {
-                    let _ = done_tx.send((usize::MAX, 0));
-                }
-            }),
-            None => {
-                drop(free_rx);
-                drop(done_rx);
-                for k in 0..pieces {
-                    let slot = k % nslots;
-                    let n = chunk.min(len - k * chunk);
-                    // SAFETY: as above; one thread: copy, wait, empty.
-                    unsafe {
-                        ops.copy(
-                            slot_ptrs[slot].0 as DevPtr,
-                            src + (k * chunk) as u64,
-                            n,
-                            CopyKind::DeviceToHost,
-                            stream,
-                        )?;
-                        ops.synchronize(stream)?;
-                        std::ptr::copy_nonoverlapping(
-                            slot_ptrs[slot].get(),
-                            out.get().add(k * chunk),
-                            n,
-                        );
-                    }
-                }
-            }
-        }
-        for buf in slots.bufs {
-            if let Err(e) = self.pinned.free(buf, Vec::new()) {
-                tracing::error!("gpumem: staging slot not returned: {e}");
-            }
-        }
-        first_err.map_or(Ok(()), Err)
-    }
-}
-
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         for s in self.streams.get_mut().drain(..) {
@@ -875,7 +528,7 @@ mod tests {
     use crate::resource::host::HostResource;
     use crate::resource::Resource;
 
-    fn engine(chunk: usize, threads: usize, pipeline: bool) -> TransferEngine {
+    fn engine(chunk: usize, threads: usize) -> TransferEngine {
         TransferEngine::new(
             Arc::new(HostResource::new()),
             PinnedPool::host(),
@@ -883,7 +536,6 @@ mod tests {
                 chunk_bytes: chunk,
                 threads,
                 min_staged_bytes: 1,
-                pipeline,
             },
         )
     }
@@ -891,15 +543,8 @@ mod tests {
     #[test]
     fn staged_round_trip_at_odd_sizes() {
         let dev = HostResource::new();
-        for (chunk, threads, pipeline) in [
-            (4096, 1, false),
-            (4096, 3, false),
-            (1 << 20, 4, false),
-            (4096, 1, true),
-            (4096, 3, true),
-            (1 << 20, 4, true),
-        ] {
-            let e = engine(chunk, threads, pipeline);
+        for (chunk, threads) in [(4096, 1), (4096, 3), (1 << 20, 4)] {
+            let e = engine(chunk, threads);
             for len in [
                 1usize,
                 4095,
@@ -927,7 +572,7 @@ mod tests {
                     }
                     assert_eq!(
                         back, src,
-                        "len {len} chunk {chunk} threads {threads} pipeline {pipeline} {how:?}"
+                        "len {len} chunk {chunk} threads {threads} {how:?}"
                     );
                 }
                 dev.deallocate(d, len, Stream::DEFAULT).unwrap();
