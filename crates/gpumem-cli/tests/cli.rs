@@ -228,3 +228,16 @@ fn bench_transfer_reports_every_path_and_size() {
     let (ok, _, err) = gpumem(&["bench", "transfer", "--host", "--conf", "staging_threads:0"]);
     assert!(!ok && err.contains("staging_threads"), "{err}");
 }
+
+#[test]
+fn gpu_only_benches_say_why_without_a_gpu() {
+    let (ok, info, _) = gpumem(&["info", "--json"]);
+    assert!(ok);
+    if info.contains("\"backend\":\"cuda\"") {
+        return; // this machine has a GPU: these benches run (gpu-bundle/run-unified)
+    }
+    let (ok, _, err) = gpumem(&["bench", "unified"]);
+    assert!(!ok && err.contains("needs a CUDA GPU"), "{err}");
+    let (ok, _, err) = gpumem(&["bench", "transfer", "--peer"]);
+    assert!(!ok && err.contains("two CUDA GPUs"), "{err}");
+}
