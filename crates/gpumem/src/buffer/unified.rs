@@ -3,9 +3,10 @@
 //! reads stale data.
 //!
 //! Two placements behind one API:
-//! - **managed** (cuMemAllocManaged, from a caching pool with a VRAM guard): one address for
-//!   host and device; a device view prefetches to the device on the view's stream, host access
-//!   prefetches back and waits;
+//! - **managed** (cuMemAllocManaged, from a caching pool with a VRAM guard): a device view
+//!   prefetches to the device on the view's stream, host access prefetches back and waits;
+//!   buffers of [`SHADOW_MIN`] or more keep their pages on the device and give the host a
+//!   pinned shadow instead, copied each way (migrating pages to the host is 3–5x slower);
 //! - **mirrored**: a device block and a pinned host mirror with dirty tracking and explicit
 //!   copies: for devices without (concurrent) managed memory, and on the host backend in CI.
 //!
