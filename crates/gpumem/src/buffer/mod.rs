@@ -13,7 +13,7 @@ use crate::allocator::{Allocation, CachingAllocator};
 use crate::buffer::pinned::PinnedHost;
 use crate::error::{Error, Result};
 use crate::pool::MAX_ALIGN;
-use crate::resource::{CopyKind, DevPtr, Resource, Stream, StreamOps};
+use crate::resource::{stream_after, CopyKind, DevPtr, Resource, Stream, StreamOps};
 use crate::transfer::Transfer;
 use bytemuck::Pod;
 use std::marker::PhantomData;
@@ -157,10 +157,7 @@ fn device_copy<T: Pod>(
         });
     }
     if src.stream != dst.stream || peer {
-        let ev = sops.record_event(src.stream)?;
-        let r = dops.wait_event(dst.stream, ev);
-        sops.destroy_event(ev);
-        r?;
+        stream_after(sops, src.stream, dops, dst.stream)?;
         if !peer {
             src.record_stream(dst.stream)?;
         }
@@ -174,10 +171,8 @@ fn device_copy<T: Pod>(
     // by the caller and `src` shared, so they are distinct blocks and do not overlap.
     unsafe { dops.copy(dst_ptr, src_ptr, bytes, kind, dst.stream)? };
     if peer {
-        let ev = dops.record_event(dst.stream)?;
-        let r = sops.wait_event(src.stream, ev);
-        dops.destroy_event(ev);
-        r?;
+        // `src` is not reused under the copy: its stream waits for it
+        stream_after(dops, dst.stream, sops, src.stream)?;
     }
     Ok(())
 }

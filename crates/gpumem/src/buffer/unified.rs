@@ -19,7 +19,9 @@ use crate::allocator::{Allocation, CachingAllocator};
 use crate::buffer::pinned::{PinnedBuffer, PinnedHost};
 use crate::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
-use crate::resource::{Advice, CopyKind, DevPtr, Location, MemPlace, Resource, Stream, StreamOps};
+use crate::resource::{
+    stream_after, Advice, CopyKind, DevPtr, Location, MemPlace, Resource, Stream, StreamOps,
+};
 use bytemuck::Pod;
 use serde::Serialize;
 use std::marker::PhantomData;
@@ -454,10 +456,7 @@ impl<T: Pod> UnifiedBuffer<T> {
     fn order_after_last(&mut self, stream: Stream) -> Result<()> {
         if stream != self.last_stream && self.device_pending {
             let ops = self.ops();
-            let ev = ops.record_event(self.last_stream)?;
-            let r = ops.wait_event(stream, ev);
-            ops.destroy_event(ev);
-            r?;
+            stream_after(ops, self.last_stream, ops, stream)?;
         }
         if !self.streams.contains(&stream) {
             self.streams.push(stream);
@@ -520,11 +519,8 @@ impl<T: Pod> UnifiedBuffer<T> {
             Store::Mirrored { device, mirror } => {
                 // the device buffer's own stream, ordered after the last access
                 if device.stream() != stream {
-                    let ops: &dyn StreamOps = device.allocator();
-                    let ev = ops.record_event(stream)?;
-                    let r = ops.wait_event(device.stream(), ev);
-                    ops.destroy_event(ev);
-                    r?;
+                    let ops = device.allocator();
+                    stream_after(ops, stream, ops, device.stream())?;
                 }
                 device.copy_to_pinned(mirror)?;
             }
@@ -639,11 +635,8 @@ impl<T: Pod> UnifiedBuffer<T> {
                 Store::Mirrored { device, mirror } => {
                     device.copy_from_pinned(mirror)?;
                     if device.stream() != stream {
-                        let ops: &dyn StreamOps = device.allocator();
-                        let ev = ops.record_event(device.stream())?;
-                        let r = ops.wait_event(stream, ev);
-                        ops.destroy_event(ev);
-                        r?;
+                        let ops = device.allocator();
+                        stream_after(ops, device.stream(), ops, stream)?;
                     }
                 }
             }

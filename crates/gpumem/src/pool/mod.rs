@@ -1051,10 +1051,7 @@ impl CachingPool {
             }
         }
         let (_, owner, id) = best?;
-        let ev = self.backend.record_event(owner).ok()?;
-        let waited = self.backend.wait_event(stream, ev);
-        self.backend.destroy_event(ev);
-        waited.ok()?;
+        crate::resource::stream_after(&*self.backend, owner, &*self.backend, stream).ok()?;
         self.leave_free(id);
         self.register_stream(stream);
         let b = &mut self.blocks[id as usize];

@@ -249,6 +249,21 @@ pub trait StreamOps: Send + Sync {
     unsafe fn memset(&self, dst: DevPtr, value: u8, bytes: usize, stream: Stream) -> Result<()>;
 }
 
+/// Make the work queued on `waiter` from now on wait for the work queued on `before` so far
+/// (no host blocking): an event recorded on `before` through `rec`, waited for through `wait`.
+/// `rec` and `wait` are the same backend for two streams of one device, and each stream's own
+/// backend for streams of two devices.
+pub fn stream_after<A, B>(rec: &A, before: Stream, wait: &B, waiter: Stream) -> Result<()>
+where
+    A: StreamOps + ?Sized,
+    B: StreamOps + ?Sized,
+{
+    let ev = rec.record_event(before)?;
+    let r = wait.wait_event(waiter, ev);
+    rec.destroy_event(ev);
+    r
+}
+
 /// A complete backend: a resource with stream operations.
 pub trait Backend: Resource + StreamOps {}
 impl<T: Resource + StreamOps> Backend for T {}
