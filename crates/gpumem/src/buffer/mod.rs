@@ -10,7 +10,7 @@ pub mod pinned;
 pub mod unified;
 
 use crate::allocator::{Allocation, CachingAllocator};
-use crate::buffer::pinned::PinnedHost;
+use crate::buffer::pinned::{pinned_copy, PinnedHost};
 use crate::error::{Error, Result};
 use crate::pool::MAX_ALIGN;
 use crate::resource::{stream_after, CopyKind, DevPtr, Resource, Stream, StreamOps};
@@ -309,21 +309,19 @@ impl<T: Pod> DeviceBuffer<T> {
             return Ok(());
         }
         let size = std::mem::size_of::<T>();
-        // copies that write `src` (on other streams) land before this one reads it
-        src.uses().order_before(src.host_ops(), self.stream)?;
-        // SAFETY: both ranges are bounds-checked; `src` is pinned host memory that stays
-        // allocated (and unwritten, see `PinnedHost`) until the event recorded below completes;
-        // the device range is ours (`&mut self`).
+        // SAFETY: both ranges are bounds-checked; the device range is ours (`&mut self`).
         unsafe {
-            self.ops().copy(
+            pinned_copy(
+                self.ops(),
+                src,
+                s * size,
                 self.ptr + (d * size) as u64,
-                src.host_ptr() + (s * size) as u64,
                 n * size,
+                false,
                 CopyKind::HostToDevice,
                 self.stream,
-            )?
-        };
-        src.uses().record(src.host_ops(), self.stream, false)
+            )
+        }
     }
 
     /// Queue a copy of this buffer's `src_range` to `dst` from element `dst_start` on.
@@ -339,20 +337,19 @@ impl<T: Pod> DeviceBuffer<T> {
             return Ok(());
         }
         let size = std::mem::size_of::<T>();
-        // copies that read or write `dst` (on other streams) complete before this one writes
-        dst.uses().order_before(dst.host_ops(), self.stream)?;
-        // SAFETY: both ranges are bounds-checked; `dst` is pinned host memory borrowed
-        // mutably, and host reads of it wait for the event recorded below.
+        // SAFETY: both ranges are bounds-checked; the device range is a live block of ours.
         unsafe {
-            self.ops().copy(
-                dst.host_ptr() + (d * size) as u64,
+            pinned_copy(
+                self.ops(),
+                dst,
+                d * size,
                 self.ptr + (s * size) as u64,
                 n * size,
+                true,
                 CopyKind::DeviceToHost,
                 self.stream,
-            )?
-        };
-        dst.uses().record(dst.host_ops(), self.stream, true)
+            )
+        }
     }
 
     /// Queue a copy of `src` in on the buffer's stream and return at once.

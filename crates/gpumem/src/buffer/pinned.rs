@@ -9,7 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::pool::pinned::{PinnedBlock, PinnedPool};
-use crate::resource::{Backend, DevPtr, Event, Stream, StreamOps};
+use crate::resource::{Backend, CopyKind, DevPtr, Event, Stream, StreamOps};
 use bytemuck::Pod;
 use parking_lot::Mutex;
 use std::marker::PhantomData;
@@ -81,6 +81,36 @@ impl Uses {
     fn take(&mut self) -> Vec<Event> {
         self.0.get_mut().drain(..).map(|u| u.event).collect()
     }
+}
+
+/// Queue a copy of `bytes` bytes between pinned `host` (from byte `host_off`) and device
+/// address `dev` on `stream` (`into_host`: device → host; `kind`: the driver's copy kind),
+/// ordered after the copies other streams have queued on `host`, and remembered by `host`:
+/// host access waits for it, and a freed block is not reused before it completes.
+///
+/// # Safety
+/// `[host_off, host_off + bytes)` must lie in `host`, and `dev` must be device (or managed)
+/// memory valid for `bytes` bytes that nothing else touches until the copy completes in
+/// `stream` order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pinned_copy<T: Pod, P: PinnedHost<T> + ?Sized>(
+    ops: &dyn StreamOps,
+    host: &P,
+    host_off: usize,
+    dev: DevPtr,
+    bytes: usize,
+    into_host: bool,
+    kind: CopyKind,
+    stream: Stream,
+) -> Result<()> {
+    // copies on other streams that write `host` (or, for a copy into it, read it) first
+    host.uses().order_before(host.host_ops(), stream)?;
+    let h = host.host_ptr() + host_off as u64;
+    let (dst, src) = if into_host { (h, dev) } else { (dev, h) };
+    // SAFETY: the caller guarantees both ranges; `host` stays allocated and unwritten until
+    // the event recorded next completes (its host access and its pool wait for it).
+    unsafe { ops.copy(dst, src, bytes, kind, stream)? };
+    host.uses().record(host.host_ops(), stream, into_host)
 }
 
 /// Host memory that copies can run from and to at pinned speed.

@@ -16,7 +16,7 @@
 //! after the previous access's stream, and host access waits for it).
 
 use crate::allocator::{Allocation, CachingAllocator};
-use crate::buffer::pinned::{PinnedBuffer, PinnedHost};
+use crate::buffer::pinned::{pinned_copy, PinnedBuffer};
 use crate::buffer::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::resource::{
@@ -496,19 +496,20 @@ impl<T: Pod> UnifiedBuffer<T> {
                 ..
             } => {
                 // device → shadow at copy speed, after the last access's work
-                sh.uses().order_before(sh.host_ops(), stream)?;
                 // SAFETY: the shadow holds `len` elements and the managed block at least as
-                // many; host reads of the shadow wait for the event recorded below.
+                // many; the block is ours and `&mut self` keeps other users away.
                 unsafe {
-                    ops.copy(
-                        sh.host_ptr(),
+                    pinned_copy(
+                        ops,
+                        &*sh,
+                        0,
                         *ptr,
                         sh.num_bytes(),
+                        true,
                         CopyKind::Unified,
                         stream,
                     )?
                 };
-                sh.uses().record(sh.host_ops(), stream, true)?;
             }
             Store::Managed { ptr, bytes, .. } => {
                 if let Some(m) = self.mem.inner.managed.as_ref() {
@@ -611,19 +612,20 @@ impl<T: Pod> UnifiedBuffer<T> {
                     ..
                 } => {
                     // shadow → device-resident pages at copy speed
-                    // SAFETY: the managed block holds at least the shadow's bytes; the shadow
-                    // is not written while the copy reads it (host writes wait for the event
-                    // recorded below).
+                    // SAFETY: the managed block holds at least the shadow's bytes and is ours;
+                    // `&mut self` keeps other users away.
                     unsafe {
-                        ops.copy(
+                        pinned_copy(
+                            ops,
+                            &*sh,
+                            0,
                             *ptr,
-                            sh.host_ptr(),
                             sh.num_bytes(),
+                            false,
                             CopyKind::Unified,
                             stream,
                         )?
                     };
-                    sh.uses().record(sh.host_ops(), stream, false)?;
                 }
                 Store::Managed { ptr, bytes, .. } => {
                     if let Some(m) = self.mem.inner.managed.as_ref() {
