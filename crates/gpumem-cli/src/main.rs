@@ -232,6 +232,16 @@ fn info(json: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// "NAME (device N)" for the benchmarks' headers, or an error naming the missing device.
+fn device_name(ordinal: usize) -> Result<String, String> {
+    gpumem::device::devices()
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .find(|d| d.ordinal == ordinal)
+        .map(|d| format!("{} (device {})", d.name, d.ordinal))
+        .ok_or_else(|| format!("no CUDA device {ordinal}"))
+}
+
 #[derive(Serialize)]
 struct BenchOut {
     device: String,
@@ -330,12 +340,7 @@ fn bench_transfer(
     let (alloc, name) = if gpu {
         #[cfg(feature = "cuda")]
         {
-            let name = gpumem::device::devices()
-                .map_err(|e| e.to_string())?
-                .into_iter()
-                .find(|d| d.ordinal == device)
-                .map(|d| format!("{} (device {})", d.name, d.ordinal))
-                .ok_or_else(|| format!("no CUDA device {device}"))?;
+            let name = device_name(device)?;
             (
                 gpumem::CachingAllocator::cuda(device, config).map_err(|e| e.to_string())?,
                 name,
@@ -400,12 +405,7 @@ fn bench_unified(json: bool, device: usize, reps: usize) -> Result<(), String> {
             None
         }
     };
-    let name = gpumem::device::devices()
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .find(|d| d.ordinal == device)
-        .map(|d| format!("{} (device {})", d.name, d.ordinal))
-        .ok_or_else(|| format!("no CUDA device {device}"))?;
+    let name = device_name(device)?;
     let out = unified_bench::run(device, name, reps, counter.as_ref())?;
     if json {
         println!(
@@ -428,12 +428,7 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>), String
     use gpumem::resource::cuda::{CudaAsyncPool, CudaDevice};
     use std::sync::Arc;
     let e = |e: gpumem::Error| e.to_string();
-    let name = gpumem::device::devices()
-        .map_err(e)?
-        .into_iter()
-        .find(|d| d.ordinal == a.device)
-        .map(|d| format!("{} (device {})", d.name, d.ordinal))
-        .ok_or_else(|| format!("no CUDA device {}", a.device))?;
+    let name = device_name(a.device)?;
     let g = bench::Gpumem(gpumem::CachingAllocator::cuda(a.device, config).map_err(e)?);
     let raw = bench::Raw {
         resource: Arc::new(CudaDevice::new(a.device).map_err(e)?),

@@ -275,6 +275,23 @@ pub fn human(b: u64) -> String {
     }
 }
 
+/// One line per direction and size (16 MiB and up) with path `num` as a share of path `den`.
+fn ratios(out: &Out, sizes: &[u64], label: &str, num: &str, den: &str) {
+    for dir in ["h2d", "d2h"] {
+        for s in sizes.iter().filter(|&&s| s >= 16 << 20) {
+            let get = |p: &str| {
+                out.rows
+                    .iter()
+                    .find(|r| r.path == p && r.direction == dir && r.bytes == *s)
+                    .map(|r| r.gb_per_s)
+            };
+            if let (Some(a), Some(b)) = (get(num), get(den)) {
+                println!("{label} {dir} at {}: {:.0}%", human(*s), 100.0 * a / b);
+            }
+        }
+    }
+}
+
 pub fn print(out: &Out) {
     println!(
         "copy bandwidth on {} (GB/s, median; staged: {})",
@@ -308,44 +325,14 @@ pub fn print(out: &Out) {
         }
         println!();
     }
-    for dir in ["h2d", "d2h"] {
-        for s in &sizes {
-            let get = |p: &str| {
-                out.rows
-                    .iter()
-                    .find(|r| r.path == p && r.direction == dir && r.bytes == *s)
-                    .map(|r| r.gb_per_s)
-            };
-            if let (Some(st), Some(pi)) = (get("pageable staged"), get("pinned")) {
-                if *s >= 16 << 20 {
-                    println!(
-                        "staged/pinned {dir} at {}: {:.0}%",
-                        human(*s),
-                        100.0 * st / pi
-                    );
-                }
-            }
-        }
-    }
-    for dir in ["h2d", "d2h"] {
-        for s in &sizes {
-            let get = |p: &str| {
-                out.rows
-                    .iter()
-                    .find(|r| r.path == p && r.direction == dir && r.bytes == *s)
-                    .map(|r| r.gb_per_s)
-            };
-            if let (Some(p), Some(raw)) = (get("pinned"), get("cuMemcpyAsync (raw)")) {
-                if *s >= 16 << 20 {
-                    println!(
-                        "pinned/raw cuMemcpyAsync {dir} at {}: {:.0}%",
-                        human(*s),
-                        100.0 * p / raw
-                    );
-                }
-            }
-        }
-    }
+    ratios(out, &sizes, "staged/pinned", "pageable staged", "pinned");
+    ratios(
+        out,
+        &sizes,
+        "pinned/raw cuMemcpyAsync",
+        "pinned",
+        "cuMemcpyAsync (raw)",
+    );
     println!("pinned alloc+free:");
     for r in &out.pinned_alloc {
         println!(
