@@ -3,46 +3,13 @@
 //! is gpumem's host backend and the echo is done by copies.
 //! `cargo run --release -p gpumem --example ring_bridge`
 
-use bytemuck::{Pod, Zeroable};
 use gpumem::transfer::ring::RingBridge;
 use gpumem::{CachingAllocator, Config, Stream};
 use std::time::Instant;
 
-/// One message: 128 bytes, aligned so that no two messages share a cache line.
-#[repr(C, align(128))]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-struct Msg {
-    seq: u64,
-    check: u64,
-    payload: [u32; 28],
-}
-
-impl Msg {
-    fn new(seq: u64) -> Self {
-        let mut payload = [0u32; 28];
-        for (i, p) in payload.iter_mut().enumerate() {
-            *p = (seq as u32).wrapping_mul(2654435761) ^ i as u32;
-        }
-        let check = payload
-            .iter()
-            .fold(seq, |a, &p| a.rotate_left(5) ^ p as u64);
-        Msg {
-            seq,
-            check,
-            payload,
-        }
-    }
-}
-
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-const ECHO: &str = r#"
-struct __align__(128) Msg { unsigned long long seq, check; unsigned int payload[28]; };
-extern "C" __global__ void echo(Msg* inbox, const Msg* outbox, unsigned long long cap,
-                                unsigned long long in0, unsigned long long out0,
-                                unsigned long long n) {
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    if (i < n) inbox[(out0 + i) % cap] = outbox[(in0 + i) % cap];
-}"#;
+#[path = "../tests/common/msg.rs"]
+mod msg;
+use msg::Msg;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cap = 1024usize;
@@ -57,7 +24,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cuda = if gpu {
         let ctx = gpumem::resource::cuda::primary_context(0)?;
         let stream = ctx.new_stream()?;
-        let module = ctx.load_module(cudarc::nvrtc::compile_ptx(ECHO)?)?;
+        let module = ctx.load_module(cudarc::nvrtc::compile_ptx(msg::ECHO_KERNEL)?)?;
         Some((stream, module.load_function("echo")?))
     } else {
         None
@@ -114,7 +81,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         ring.publish(n)?;
         for m in ring.receive()? {
-            if m != Msg::new(got) {
+            if !m.intact() || m != Msg::new(got) {
                 return Err(format!("message {got} came back as {}", m.seq).into());
             }
             got += 1;

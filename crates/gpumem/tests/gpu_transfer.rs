@@ -2,7 +2,6 @@
 //! and are ignored by default: `cargo test -p gpumem --test gpu_transfer -- --ignored`.
 #![cfg(feature = "cuda")]
 
-use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpumem::transfer::ring::RingBridge;
 use gpumem::{
@@ -10,6 +9,10 @@ use gpumem::{
     Transfer,
 };
 use std::sync::Arc;
+
+#[path = "common/msg.rs"]
+mod msg;
+use msg::Msg;
 
 const KERNELS: &str = r#"
 // Spin for `cycles`, then write value ^ i: a late writer of `out`.
@@ -23,14 +26,6 @@ extern "C" __global__ void slow_fill(unsigned int* out, unsigned int value, unsi
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
     while (clock64() - start < cycles) { }
-}
-struct __align__(128) Msg { unsigned long long seq, check; unsigned int payload[28]; };
-// Echo `n` messages from the outbox ring (from seq `in0`) to the inbox ring (from seq `out0`).
-extern "C" __global__ void echo(Msg* inbox, const Msg* outbox, unsigned long long cap,
-                                unsigned long long in0, unsigned long long out0,
-                                unsigned long long n) {
-    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    if (i < n) inbox[(out0 + i) % cap] = outbox[(in0 + i) % cap];
 }
 "#;
 
@@ -50,7 +45,7 @@ fn gpu() -> Gpu {
     );
     let ctx = gpumem::resource::cuda::primary_context(0).unwrap();
     let m = ctx
-        .load_module(cudarc::nvrtc::compile_ptx(KERNELS).unwrap())
+        .load_module(cudarc::nvrtc::compile_ptx(format!("{KERNELS}{}", msg::ECHO_KERNEL)).unwrap())
         .unwrap();
     Gpu {
         slow_fill: m.load_function("slow_fill").unwrap(),
@@ -224,31 +219,6 @@ fn async_upload_consumes_the_source_before_returning() {
     assert!(d.to_vec().unwrap() == want);
 }
 
-#[repr(C, align(128))]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-struct Msg {
-    seq: u64,
-    check: u64,
-    payload: [u32; 28],
-}
-
-impl Msg {
-    fn new(seq: u64) -> Self {
-        let mut payload = [0u32; 28];
-        for (i, p) in payload.iter_mut().enumerate() {
-            *p = (seq as u32).wrapping_mul(2654435761) ^ i as u32;
-        }
-        let check = payload
-            .iter()
-            .fold(seq, |a, &p| a.rotate_left(5) ^ p as u64);
-        Msg {
-            seq,
-            check,
-            payload,
-        }
-    }
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ring_bridge_round_trips_through_a_kernel_in_order() {
@@ -286,6 +256,7 @@ fn ring_bridge_round_trips_through_a_kernel_in_order() {
         unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }.unwrap();
         ring.publish(n).unwrap();
         for m in ring.receive().unwrap() {
+            assert!(m.intact(), "message {got} corrupted");
             assert_eq!(m, Msg::new(got), "message {got}");
             got += 1;
         }

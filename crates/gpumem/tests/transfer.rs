@@ -1,7 +1,6 @@
 //! Pinned memory, the transfer engine and the ring bridge on the host backend (CI); the same
 //! paths run on a GPU in tests/gpu.rs.
 
-use bytemuck::{Pod, Zeroable};
 use gpumem::pool::pinned::{size_class, PinnedPool};
 use gpumem::resource::sim::SimulatedDevice;
 use gpumem::resource::StreamOps;
@@ -11,36 +10,9 @@ use gpumem::{Error, Transfer};
 use proptest::prelude::*;
 use std::sync::Arc;
 
-/// A cache-line message, as in the ring-bridge design.
-#[repr(C, align(128))]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-struct Msg {
-    seq: u64,
-    check: u64,
-    payload: [u32; 28],
-}
-
-impl Msg {
-    fn new(seq: u64) -> Self {
-        let mut payload = [0u32; 28];
-        for (i, p) in payload.iter_mut().enumerate() {
-            *p = (seq as u32).wrapping_mul(2654435761).wrapping_add(i as u32);
-        }
-        Msg {
-            seq,
-            check: Self::sum(seq, &payload),
-            payload,
-        }
-    }
-    fn sum(seq: u64, payload: &[u32; 28]) -> u64 {
-        payload
-            .iter()
-            .fold(seq, |a, &p| a.rotate_left(5) ^ p as u64)
-    }
-    fn intact(&self) -> bool {
-        self.check == Self::sum(self.seq, &self.payload)
-    }
-}
+#[path = "common/msg.rs"]
+mod msg;
+use msg::Msg;
 
 fn host() -> CachingAllocator {
     CachingAllocator::host(Config::default()).unwrap()
