@@ -233,6 +233,7 @@ fn info(json: bool) -> Result<(), String> {
 }
 
 /// "NAME (device N)" for the benchmarks' headers, or an error naming the missing device.
+#[cfg(feature = "cuda")]
 fn device_name(ordinal: usize) -> Result<String, String> {
     gpumem::device::devices()
         .map_err(|e| e.to_string())?
@@ -347,7 +348,10 @@ fn bench_transfer(
             )
         }
         #[cfg(not(feature = "cuda"))]
-        return Err("built without the cuda feature".into());
+        {
+            let _ = device;
+            return Err("built without the cuda feature".into());
+        }
     } else {
         (
             gpumem::CachingAllocator::host(config).map_err(|e| e.to_string())?,

@@ -11,7 +11,6 @@ const QUERIES: usize = 1000;
 const TARGETS: usize = 8192;
 const BATCHES: usize = 5;
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const KERNEL: &str = r#"
 // scores[q * nt + t] = cos(queries[q], targets[t]); one block per (query, 128 targets).
 extern "C" __global__ void cosine(float* scores, const float* queries, const float* targets,
@@ -54,16 +53,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some("managed") => Placement::Managed,
         _ => Placement::Auto,
     };
-    #[cfg(feature = "cuda")]
     if gpumem::device::cuda_available() {
         return run_gpu(placement);
     }
-    let _ = placement;
     println!("no CUDA GPU here: this example runs its kernel on a GPU");
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
 fn run_gpu(placement: Placement) -> Result<(), Box<dyn std::error::Error>> {
     use cudarc::driver::{LaunchConfig, PushKernelArg};
     let ctx = gpumem::resource::cuda::primary_context(0)?;

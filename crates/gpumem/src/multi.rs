@@ -15,6 +15,8 @@ use std::sync::OnceLock;
 #[derive(Debug)]
 pub struct DeviceSet {
     slots: Box<[OnceLock<CachingAllocator>]>,
+    /// configuration of every device's allocator (no devices without the `cuda` feature)
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     config: Config,
     /// (from, to) pairs with peer access enabled
     peers: Mutex<Vec<(usize, usize)>>,
