@@ -17,95 +17,13 @@ use crate::resource::sim::SimulatedDevice;
 use crate::resource::{Backend, Stream};
 use crate::{Allocation, CachingAllocator};
 use rustc_hash::FxHashMap;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What happened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Action {
-    /// a block handed out
-    Alloc,
-    /// the program freed a block (it may still be in use by a stream)
-    FreeRequested,
-    /// the block is free for reuse
-    FreeCompleted,
-    /// the allocator obtained a segment from the device
-    SegmentAlloc,
-    /// the allocator returned a segment
-    SegmentFree,
-    /// pages were mapped into an expandable segment (`size` bytes)
-    SegmentMap,
-    /// pages were unmapped from an expandable segment
-    SegmentUnmap,
-    /// a memory snapshot was taken (PyTorch)
-    Snapshot,
-    /// the allocator reported out of memory (PyTorch)
-    Oom,
-}
-
-impl Action {
-    fn from_name(s: &str) -> Option<Action> {
-        Some(match s {
-            "alloc" => Action::Alloc,
-            "free_requested" => Action::FreeRequested,
-            "free_completed" => Action::FreeCompleted,
-            "segment_alloc" => Action::SegmentAlloc,
-            "segment_free" => Action::SegmentFree,
-            "segment_map" => Action::SegmentMap,
-            "segment_unmap" => Action::SegmentUnmap,
-            "snapshot" => Action::Snapshot,
-            "oom" => Action::Oom,
-            _ => return None,
-        })
-    }
-}
-
-/// One trace event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TraceEvent {
-    /// what happened
-    pub action: Action,
-    /// device address of the block or segment
-    pub addr: u64,
-    /// bytes
-    pub size: u64,
-    /// stream handle (0 = default)
-    #[serde(default)]
-    pub stream: u64,
-    /// microseconds, monotonic
-    #[serde(default)]
-    pub time_us: u64,
-    /// line (JSON Lines) or entry (pickle) the event was read from; 0 if made in memory
-    #[serde(skip)]
-    pub line: u32,
-}
-
-impl TraceEvent {
-    /// An event made in memory.
-    pub fn new(action: Action, addr: u64, size: u64, stream: u64, time_us: u64) -> Self {
-        Self {
-            action,
-            addr,
-            size,
-            stream,
-            time_us,
-            line: 0,
-        }
-    }
-
-    /// "line N" where the event was read from a file, else "event N" (1-based `index`).
-    fn place(&self, index: usize) -> String {
-        if self.line > 0 {
-            format!("line {}", self.line)
-        } else {
-            format!("event {}", index + 1)
-        }
-    }
-}
+pub use crate::pool::record::{Action, TraceEvent};
 
 fn bad(path: &str, line: usize, what: impl std::fmt::Display) -> Error {
     Error::Trace(format!("{path}:{line}: {what}"))

@@ -1,0 +1,113 @@
+//! Event bookkeeping: blocks other streams still use (`record_stream`), checkpoints that tell
+//! which freed pages are idle.
+
+use super::*;
+
+impl CachingPool {
+    /// The highest free tick known to be idle on `stream` (after polling its checkpoint).
+    pub(super) fn safe_tick(&mut self, stream: Stream) -> u64 {
+        let Some(i) = self.checkpoints.iter().position(|c| c.0 == stream) else {
+            return self.device_safe;
+        };
+        if let (Some(ev), tick) = (self.checkpoints[i].2, self.checkpoints[i].3) {
+            if self.backend.event_done(ev).unwrap_or(false) {
+                self.backend.destroy_event(ev);
+                let c = &mut self.checkpoints[i];
+                c.2 = None;
+                c.1 = c.1.max(tick);
+            }
+        }
+        self.checkpoints[i].1.max(self.device_safe)
+    }
+
+    pub(super) fn set_safe(&mut self, stream: Stream, tick: u64) {
+        match self.checkpoints.iter_mut().find(|c| c.0 == stream) {
+            Some(c) => c.1 = c.1.max(tick),
+            None => self.checkpoints.push((stream, tick, None, 0)),
+        }
+    }
+
+    /// Record a checkpoint event on `stream` unless one is outstanding.
+    pub(super) fn checkpoint(&mut self, stream: Stream) {
+        self.safe_tick(stream); // retire a completed one first
+        let tick = self.tick;
+        let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
+            Some(i) => i,
+            None => {
+                self.checkpoints.push((stream, 0, None, 0));
+                self.checkpoints.len() - 1
+            }
+        };
+        if self.checkpoints[i].2.is_none() {
+            if let Ok(ev) = self.backend.record_event(stream) {
+                self.checkpoints[i].2 = Some(ev);
+                self.checkpoints[i].3 = tick;
+            }
+        }
+    }
+
+    /// Record that `stream` uses the live block at `addr` (PyTorch's `record_stream`): when it
+    /// is freed, it is reused only after the work queued on `stream` by then has completed.
+    pub fn record_stream(&mut self, addr: DevPtr, stream: Stream) -> Result<()> {
+        let id = *self
+            .live
+            .get(&addr)
+            .ok_or(Error::UnknownPointer { ptr: addr })?;
+        self.record_stream_id(id, addr, stream)
+    }
+
+    /// [`CachingPool::record_stream`] for block `id` at `addr`.
+    pub fn record_stream_id(&mut self, id: u32, addr: DevPtr, stream: Stream) -> Result<()> {
+        let b = match self.blocks.get_mut(id as usize) {
+            Some(b) if b.addr == addr && b.state == State::Allocated => b,
+            _ => return Err(Error::UnknownPointer { ptr: addr }),
+        };
+        if b.stream != stream {
+            let uses = b.uses.get_or_insert_with(Default::default);
+            if !uses.contains(&stream) {
+                uses.push(stream);
+            }
+        }
+        Ok(())
+    }
+
+    /// Free blocks whose recorded events have all completed.
+    pub fn process_events(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let done = self.pending[i]
+                .1
+                .iter()
+                .all(|&e| self.backend.event_done(e).unwrap_or(false));
+            if done {
+                let (id, events) = self.pending.swap_remove(i);
+                self.finish_pending(id, events);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Wait on the host for every pending event, then free those blocks.
+    pub(super) fn sync_pending(&mut self) {
+        self.stats.num_sync_all_streams += 1;
+        for (id, events) in std::mem::take(&mut self.pending) {
+            for &e in &events {
+                let _ = self.backend.sync_event(e);
+            }
+            self.finish_pending(id, events);
+        }
+    }
+
+    pub(super) fn finish_pending(&mut self, id: u32, events: Vec<Event>) {
+        for e in events {
+            self.backend.destroy_event(e);
+        }
+        let b = &self.blocks[id as usize];
+        let (kind, size) = (b.kind, b.size);
+        let (addr, req, stream) = (b.addr, b.requested, b.stream);
+        self.stats.on_pending_done(kind, size);
+        self.record(Action::FreeCompleted, addr, req, stream);
+        self.free_block(id);
+    }
+}

@@ -1,0 +1,499 @@
+//! Expandable (virtual-memory) segments: one reserved address range per stream and pool, pages
+//! mapped where blocks need them and moved from free blocks when the pool would grow.
+
+use super::*;
+
+impl CachingPool {
+    /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
+    /// new segment) and map whatever pages of it are not mapped yet.
+    pub(super) fn place_expandable(
+        &mut self,
+        found: Option<u32>,
+        stream: Stream,
+        size: u64,
+        kind: PoolKind,
+    ) -> Result<u32> {
+        let id = match found {
+            Some(id) => id,
+            None => match self.grow_expandable(stream, size, kind) {
+                Ok(id) => id,
+                Err(e) => {
+                    self.stats.cache_misses += 1;
+                    return Err(e);
+                }
+            },
+        };
+        self.split(id, size);
+        if self
+            .churn
+            .tick(self.peak_allocated, self.policy.move_budget)
+        {
+            self.shared
+                .churn_level
+                .fetch_max(self.churn.level, Ordering::Relaxed);
+        }
+        match self.ensure_mapped(id, stream) {
+            Ok(0) => {
+                self.stats.cache_hits += 1;
+                Ok(id)
+            }
+            Ok(_) => {
+                self.stats.cache_misses += 1;
+                Ok(id)
+            }
+            Err(e) => {
+                self.stats.cache_misses += 1;
+                self.free_block(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Address space reserved for one expandable segment.
+    pub(super) fn va_size(&self, size: u64) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let va = self.capacity.saturating_mul(2).min(1 << 42).max(size);
+        va.div_ceil(page) * page
+    }
+
+    /// A new expandable segment for `stream` and `kind`, nothing mapped; returns its single
+    /// block, not in any free set.
+    pub(super) fn grow_expandable(
+        &mut self,
+        stream: Stream,
+        size: u64,
+        kind: PoolKind,
+    ) -> Result<u32> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let va = self.va_size(size);
+        let addr = self.backend.reserve_address(va)?;
+        if addr % page != 0 {
+            let _ = self.backend.release_address(addr, va);
+            return Err(Error::Unsupported {
+                backend: self.backend.name().to_string(),
+                what: format!("reserved address {addr:#x} is not page-aligned"),
+            });
+        }
+        let id = self.install_segment(
+            addr,
+            va,
+            stream,
+            kind,
+            Some(Box::new(Pages::new(va / page))),
+        );
+        Ok(id)
+    }
+
+    /// Map the unmapped pages under block `id` (taken, not free); returns the bytes mapped.
+    /// Beyond the allowance (peak allocated bytes plus the slack), free pages elsewhere are
+    /// unmapped first so that the physical memory does not grow.
+    pub(super) fn ensure_mapped(&mut self, id: u32, stream: Stream) -> Result<u64> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let (addr, size, seg) = {
+            let b = &self.blocks[id as usize];
+            (b.addr, b.size, b.segment)
+        };
+        let base = self.segments[seg as usize].addr;
+        let (p0, p1) = ((addr - base) / page, (addr + size - base).div_ceil(page));
+        let runs = match &self.segments[seg as usize].pages {
+            // the common case, all mapped, costs one bitmap scan and no allocation
+            Some(pages) if pages.next_with(p0, p1, false) >= p1 => return Ok(0),
+            Some(pages) => pages.runs(p0, p1, false),
+            None => return Ok(0),
+        };
+        let need = runs.iter().map(|r| r.1).sum::<u64>() * page;
+        if need == 0 {
+            return Ok(0);
+        }
+        self.peak_allocated = self.peak_allocated.max(self.stats.allocated() + size);
+        let level = self
+            .churn
+            .level
+            .max(self.shared.churn_level.load(Ordering::Relaxed));
+        let slack = self.policy.slack * f64::from(1u32 << level);
+        let allowance = (self.peak_allocated as f64 * (1.0 + slack)) as u64;
+        let reserved = self.stats.reserved();
+        let moving = reserved + need > allowance;
+        let started = moving.then(Instant::now);
+        if moving {
+            self.churn.moves += 1;
+            self.reclaim_pages(Some(stream), reserved + need - allowance);
+        }
+        for (first, n) in runs {
+            let (a, bytes) = (base + first * page, n * page);
+            let mut r = self.backend.map(a, bytes);
+            if matches!(&r, Err(e) if e.is_out_of_memory()) {
+                self.stats.num_alloc_retries += 1;
+                self.release_cached();
+                r = self.backend.map(a, bytes);
+                if matches!(&r, Err(e) if e.is_out_of_memory()) && !self.pending.is_empty() {
+                    self.sync_pending();
+                    self.release_cached();
+                    r = self.backend.map(a, bytes);
+                }
+            }
+            match r {
+                Ok(()) => self.note_mapped(seg, first, n, true),
+                Err(e) if e.is_out_of_memory() => return Err(self.oom_error(size, need)),
+                Err(e) => return Err(e),
+            }
+        }
+        if let Some(t) = started {
+            self.churn.move_ns += t.elapsed().as_nanos() as u64;
+        }
+        Ok(need)
+    }
+
+    /// Record that pages `[first, first + n)` of `seg` were mapped (`on`) or unmapped.
+    pub(super) fn note_mapped(&mut self, seg: u32, first: u64, n: u64, on: bool) {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let s = &mut self.segments[seg as usize];
+        let kind = s.kind;
+        if let Some(p) = s.pages.as_mut() {
+            p.set(first, n, on);
+        }
+        let bytes = n * page;
+        let (addr, stream) = (s.addr + first * page, s.stream);
+        self.record(
+            if on {
+                Action::SegmentMap
+            } else {
+                Action::SegmentUnmap
+            },
+            addr,
+            bytes,
+            stream,
+        );
+        if on {
+            self.stats.reserved_bytes.inc(kind, bytes);
+            self.stats.num_device_alloc += 1;
+            self.stats.mapped_bytes += bytes;
+            let now = self.shared.reserved.fetch_add(bytes, Ordering::Relaxed) + bytes;
+            self.shared.peak_reserved.fetch_max(now, Ordering::Relaxed);
+        } else {
+            self.stats.reserved_bytes.dec(kind, bytes);
+            self.stats.num_device_free += 1;
+            self.stats.unmapped_bytes += bytes;
+            self.shared.reserved.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Unmap up to about `want` bytes of pages lying wholly inside free blocks of expandable
+    /// segments, those of `stream` first and the highest addresses first. Unmapping is
+    /// immediate, so no queued work may still touch a page: pages freed before the owner
+    /// stream's last completed checkpoint event go first (no waiting); then a fresh checkpoint
+    /// is recorded and, if the stream has already caught up, more pages are safe; only then
+    /// does the pool wait for the stream. Only `current` (the stream of the allocation being
+    /// served, alive by contract) gets events recorded on it or is waited for; segments of
+    /// other streams, which may have been destroyed since, are made safe by a device-wide
+    /// synchronisation. Returns the bytes unmapped.
+    pub(super) fn reclaim_pages(&mut self, current: Option<Stream>, want: u64) -> u64 {
+        if self.policy.page.is_none() || want == 0 {
+            return 0;
+        }
+        self.flush_quick();
+        let mut order: Vec<u32> = self
+            .segment_index
+            .values()
+            .copied()
+            .filter(|&s| self.segments[s as usize].pages.is_some())
+            .collect();
+        order.sort_by_key(|&s| Some(self.segments[s as usize].stream) != current);
+        let mut got = 0u64;
+        for seg in order {
+            if got >= want {
+                break;
+            }
+            let owner = self.segments[seg as usize].stream;
+            // 1: pages known to be idle
+            let safe = self.safe_tick(owner);
+            let runs = self.free_mapped_runs(seg, want - got, safe);
+            got += self.unmap_runs(seg, runs);
+            if got >= want {
+                break;
+            }
+            if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
+                continue;
+            }
+            let own = Some(owner) == current;
+            if own {
+                // 2: a fresh checkpoint, complete at once if the stream is idle
+                self.checkpoint(owner);
+                let safe = self.safe_tick(owner);
+                let runs = self.free_mapped_runs(seg, want - got, safe);
+                got += self.unmap_runs(seg, runs);
+                if got >= want {
+                    break;
+                }
+                if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
+                    continue;
+                }
+            }
+            // 3: wait for the stream (or the device), then the rest is idle
+            let waited = if own {
+                self.backend.synchronize(owner)
+            } else {
+                self.backend.synchronize_device()
+            };
+            if let Err(e) = waited {
+                tracing::warn!("gpumem: cannot synchronize before unmapping: {e}");
+                continue;
+            }
+            self.stats.num_unmap_syncs += 1;
+            if own {
+                self.set_safe(owner, self.tick);
+            } else {
+                self.device_safe = self.tick;
+            }
+            let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
+            got += self.unmap_runs(seg, runs);
+        }
+        got
+    }
+
+    /// Runs of mapped pages lying wholly inside free blocks of `seg` and last freed at or
+    /// before `max_tick`, highest first, about `want` bytes.
+    pub(super) fn free_mapped_runs(&self, seg: u32, want: u64, max_tick: u64) -> Vec<(u64, u64)> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let s = &self.segments[seg as usize];
+        let Some(pages) = &s.pages else {
+            return Vec::new();
+        };
+        let mut free = Vec::new();
+        let mut id = s.head;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if b.state == State::Free {
+                free.push((b.addr, b.size));
+            }
+            id = b.next;
+        }
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut take = want;
+        'blocks: for &(addr, size) in free.iter().rev() {
+            let first = (addr - s.addr).div_ceil(page);
+            let end = (addr + size - s.addr) / page;
+            if first >= end {
+                continue;
+            }
+            for (f, n) in pages.runs(first, end, true).into_iter().rev() {
+                // the run minus pages freed after `max_tick`, from the top
+                let mut p = f + n;
+                while p > f && take > 0 {
+                    while p > f && pages.freed_at(p - 1) > max_tick {
+                        p -= 1;
+                    }
+                    let hi = p;
+                    while p > f && take > 0 && pages.freed_at(p - 1) <= max_tick {
+                        p -= 1;
+                        take = take.saturating_sub(page);
+                    }
+                    if p < hi {
+                        runs.push((p, hi - p));
+                    }
+                }
+                if take == 0 {
+                    break 'blocks;
+                }
+            }
+        }
+        runs
+    }
+
+    /// Unmap `runs` of `seg`; returns the bytes unmapped.
+    pub(super) fn unmap_runs(&mut self, seg: u32, runs: Vec<(u64, u64)>) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let base = self.segments[seg as usize].addr;
+        let mut got = 0;
+        for (first, n) in runs {
+            match self.backend.unmap(base + first * page, n * page) {
+                Ok(()) => {
+                    self.note_mapped(seg, first, n, false);
+                    got += n * page;
+                }
+                Err(e) => tracing::warn!("gpumem: unmapping pages failed: {e}"),
+            }
+        }
+        got
+    }
+
+    pub(super) fn largest_mapped_free(&self) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let mut best = self
+            .quick
+            .iter()
+            .map(|&(_, _, id)| self.blocks[id as usize].size)
+            .max()
+            .unwrap_or(0);
+        for &seg in self.segment_index.values() {
+            let s = &self.segments[seg as usize];
+            let Some(pages) = &s.pages else {
+                continue;
+            };
+            let mut id = s.head;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if b.state == State::Free {
+                    let (lo, hi) = (b.addr - s.addr, b.addr + b.size - s.addr);
+                    for (f, n) in pages.runs(lo / page, hi.div_ceil(page), true) {
+                        let run = (hi.min((f + n) * page)) - lo.max(f * page);
+                        best = best.max(run);
+                    }
+                }
+                id = b.next;
+            }
+        }
+        best
+    }
+}
+
+/// The mapped pages of an expandable segment: one bit per page.
+#[derive(Debug)]
+pub(super) struct Pages {
+    pub(super) bits: Vec<u64>,
+    pub(super) mapped: u64,
+    /// no page at or above this one has ever been mapped (bounds the scans)
+    pub(super) high: u64,
+    /// pool tick at which each page (below `high`) was last part of a block being freed
+    pub(super) freed: Vec<u64>,
+}
+
+impl Pages {
+    pub(super) fn new(n: u64) -> Self {
+        Self {
+            bits: vec![0; n.div_ceil(64) as usize],
+            mapped: 0,
+            high: 0,
+            freed: Vec::new(),
+        }
+    }
+
+    pub(super) fn set(&mut self, first: u64, n: u64, on: bool) {
+        for p in first..first + n {
+            let (w, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+            debug_assert_eq!(
+                self.bits[w] & bit != 0,
+                !on,
+                "page mapped twice or unmapped twice"
+            );
+            if on {
+                self.bits[w] |= bit;
+            } else {
+                self.bits[w] &= !bit;
+            }
+        }
+        if on {
+            self.mapped += n;
+            self.high = self.high.max(first + n);
+        } else {
+            self.mapped -= n;
+        }
+    }
+
+    pub(super) fn freed_at(&self, p: u64) -> u64 {
+        self.freed.get(p as usize).copied().unwrap_or(0)
+    }
+
+    /// Mark pages `[from, to)` as freed at `tick`.
+    pub(super) fn mark_freed(&mut self, from: u64, to: u64, tick: u64) {
+        let to = to.min(self.high);
+        if from >= to {
+            return;
+        }
+        if self.freed.len() < to as usize {
+            self.freed.resize(self.high as usize, 0);
+        }
+        self.freed[from as usize..to as usize].fill(tick);
+    }
+
+    /// Runs `(first, count)` of pages in `[from, to)` that are mapped (`want`) or not.
+    pub(super) fn runs(&self, from: u64, to: u64, want: bool) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut p = from;
+        while p < to {
+            let start = self.next_with(p, to, want);
+            if start >= to {
+                break;
+            }
+            let end = self.next_with(start, to, !want);
+            out.push((start, end - start));
+            p = end;
+        }
+        out
+    }
+
+    /// The first page at or after `p` (below `to`, else `to`) whose bit is `want`.
+    pub(super) fn next_with(&self, mut p: u64, to: u64, want: bool) -> u64 {
+        if p >= self.high {
+            return if want { to } else { p.min(to) };
+        }
+        // nothing is mapped at or above `high`
+        let end = if want { to.min(self.high) } else { to };
+        while p < end {
+            let w = (p / 64) as usize;
+            let word = if want { self.bits[w] } else { !self.bits[w] };
+            let word = word & (u64::MAX << (p % 64));
+            if word != 0 {
+                return (w as u64 * 64 + word.trailing_zeros() as u64).min(to);
+            }
+            p = (w as u64 + 1) * 64;
+        }
+        to
+    }
+}
+
+/// Page moves per window of allocations. Moving pages costs driver calls (about 40 µs per
+/// page and call on an H100) and sometimes a wait for a stream; a workload whose sizes never
+/// settle (random sizes, say) would move pages on a good share of its allocations. Each window
+/// of [`Churn::WINDOW`] allocations in which more than [`Churn::HIGH`] moved pages (and the
+/// peak of allocated bytes did not grow by more than 1%), or in which moving pages took more
+/// than `expandable_move_budget` of the wall time, doubles the
+/// slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the pool is practically
+/// PyTorch's expandable segments: pages are mapped as it grows and kept); `empty_cache` starts
+/// over. Workloads that repeat (training steps) or grow slowly (decoding) stay at the
+/// configured slack.
+#[derive(Debug, Default)]
+pub(super) struct Churn {
+    pub(super) allocs: u32,
+    pub(super) moves: u32,
+    pub(super) level: u32,
+    /// peak allocated bytes when the window started
+    pub(super) peak: u64,
+    /// when the window started
+    pub(super) start: Option<Instant>,
+    /// time spent moving pages in this window
+    pub(super) move_ns: u64,
+}
+
+impl Churn {
+    pub(super) const WINDOW: u32 = 1024;
+    pub(super) const HIGH: u32 = 16;
+    pub(super) const MAX_LEVEL: u32 = 8;
+
+    /// Count one allocation; true when the level went up. `budget`: the share of wall time
+    /// moves may take (0 = no limit).
+    #[inline]
+    pub(super) fn tick(&mut self, peak_allocated: u64, budget: f64) -> bool {
+        self.allocs += 1;
+        let before = self.level;
+        if self.allocs >= Self::WINDOW {
+            // moves while the peak grows are the pool filling up (a first training step), not
+            // churn
+            let grew = peak_allocated > self.peak + self.peak / 100;
+            let now = Instant::now();
+            let wall = self
+                .start
+                .map_or(0, |s| now.duration_since(s).as_nanos() as u64);
+            let costly = budget > 0.0 && self.move_ns as f64 > budget * wall as f64;
+            if (self.moves > Self::HIGH && !grew) || costly {
+                self.level = (self.level + 1).min(Self::MAX_LEVEL);
+            }
+            self.allocs = 0;
+            self.moves = 0;
+            self.move_ns = 0;
+            self.start = Some(now);
+            self.peak = peak_allocated;
+        }
+        self.level > before
+    }
+}

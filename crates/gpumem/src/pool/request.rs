@@ -1,0 +1,281 @@
+//! The request path: allocate (quick cache, best fit, then the segment kind's own placement) and free.
+
+use super::*;
+
+impl CachingPool {
+    /// Allocate `bytes` bytes on `stream` with `align` (a power of two ≤ [`MAX_ALIGN`]); the
+    /// block can be freed by address ([`CachingPool::free`]) or id.
+    pub fn allocate(&mut self, stream: Stream, bytes: usize, align: usize) -> Result<PoolAlloc> {
+        self.allocate_inner(stream, bytes, align, true, true)
+    }
+
+    /// [`CachingPool::allocate`] with options: `count_oom` false lets a caller that will retry
+    /// elsewhere count the out-of-memory itself; `track_address` false skips the address map,
+    /// so the block can only be freed by id ([`CachingPool::free_block_id`]), which is faster.
+    pub fn allocate_inner(
+        &mut self,
+        stream: Stream,
+        bytes: usize,
+        align: usize,
+        count_oom: bool,
+        track_address: bool,
+    ) -> Result<PoolAlloc> {
+        let req = bytes as u64;
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        if req > MAX_REQUEST {
+            return Err(Error::SizeTooLarge {
+                requested: req,
+                max: MAX_REQUEST,
+            });
+        }
+        if !align.is_power_of_two() || align > MAX_ALIGN {
+            return Err(Error::InvalidAlignment {
+                align,
+                max: MAX_ALIGN,
+            });
+        }
+        let size = round_size(req, &self.policy.divisions);
+        if !self.pending.is_empty() {
+            self.process_events();
+        }
+        let id = match self.take_quick(stream, size) {
+            Some(id) => {
+                self.stats.cache_hits += 1;
+                id
+            }
+            None => match self.find_or_grow(stream, size) {
+                Ok(id) => id,
+                Err(e) => {
+                    if count_oom && e.is_out_of_memory() {
+                        self.stats.num_ooms += 1;
+                        self.record(Action::Oom, 0, req, stream);
+                    }
+                    return Err(e);
+                }
+            },
+        };
+        let b = &mut self.blocks[id as usize];
+        b.state = State::Allocated;
+        b.requested = req;
+        b.rounded = size;
+        b.tracked = track_address;
+        let (addr, bsize, kind) = (b.addr, b.size, b.kind);
+        if track_address {
+            self.live.insert(addr, id);
+        }
+        self.stats.on_alloc(kind, bsize, req);
+        self.record(Action::Alloc, addr, req, stream);
+        Ok(PoolAlloc {
+            addr,
+            block_size: bsize,
+            id,
+        })
+    }
+
+    /// Exact-size reuse of a recently freed block of the same stream.
+    #[inline]
+    pub(super) fn take_quick(&mut self, stream: Stream, size: u64) -> Option<u32> {
+        if self.quick.is_empty() {
+            return None;
+        }
+        let Some(pos) = self
+            .quick
+            .iter()
+            .rposition(|&(s, st, _)| s == size && st == stream)
+        else {
+            self.quick_score = (self.quick_score - 1).max(-64);
+            if self.quick_score < 0 {
+                // sizes are not repeating: coalesce the probe entries rather than scan them
+                self.flush_quick();
+            }
+            return None;
+        };
+        self.quick_score = (self.quick_score + 8).min(64);
+        let (_, _, id) = self.quick.swap_remove(pos);
+        self.unmark_inactive(id);
+        Some(id)
+    }
+
+    pub(super) fn kind_of(size: u64) -> PoolKind {
+        if size <= SMALL_SIZE {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        }
+    }
+
+    pub(super) fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
+        let kind = Self::kind_of(size);
+        let id = match self.best_fit(stream, size, kind) {
+            Some(id) => Some(id),
+            None if !self.quick.is_empty() => {
+                self.flush_quick();
+                self.best_fit(stream, size, kind)
+            }
+            None => None,
+        };
+        if self.policy.page.is_some() {
+            return self.place_expandable(id, stream, size, kind);
+        }
+        let id = match id.or_else(|| self.steal(stream, size, kind)) {
+            Some(id) => {
+                self.stats.cache_hits += 1;
+                id
+            }
+            None => {
+                self.stats.cache_misses += 1;
+                self.grow_with_retries(stream, size, kind)?
+            }
+        };
+        self.split(id, size);
+        Ok(id)
+    }
+
+    /// Return the block at `addr` (allocated with `track_address`) to the pool, ordered on its
+    /// stream.
+    pub fn free(&mut self, addr: DevPtr) -> Result<()> {
+        let Some(id) = self.live.remove(&addr) else {
+            return Err(self.bad_free(addr));
+        };
+        self.release(id)
+    }
+
+    /// Return the block `id` at `addr` ([`PoolAlloc::id`]) to the pool.
+    #[inline]
+    pub fn free_block_id(&mut self, id: u32, addr: DevPtr) -> Result<()> {
+        match self.blocks.get(id as usize) {
+            Some(b) if b.addr == addr && b.state == State::Allocated => {
+                if b.tracked {
+                    self.live.remove(&addr);
+                }
+                self.release(id)
+            }
+            _ => Err(self.bad_free(addr)),
+        }
+    }
+
+    pub(super) fn release(&mut self, id: u32) -> Result<()> {
+        let b = &mut self.blocks[id as usize];
+        let (kind, size, req) = (b.kind, b.size, b.requested);
+        let deferred = b.uses.is_some();
+        self.stats.on_free(kind, size, req, deferred);
+        if self.recorder.is_some() {
+            let (addr, stream) = (b.addr, b.stream);
+            self.record(Action::FreeRequested, addr, req, stream);
+            if !deferred {
+                self.record(Action::FreeCompleted, addr, req, stream);
+            }
+        }
+        let b = &mut self.blocks[id as usize];
+        if deferred {
+            let uses = b.uses.take().map(|u| *u).unwrap_or_default();
+            b.state = State::Pending;
+            let mut events = Vec::with_capacity(uses.len());
+            for st in uses {
+                match self.backend.record_event(st) {
+                    Ok(ev) => events.push(ev),
+                    // without an event, wait for the stream now: correctness over speed
+                    Err(_) => {
+                        let _ = self.backend.synchronize(st);
+                    }
+                }
+            }
+            self.pending.push((id, events));
+            return Ok(());
+        }
+        if !self.use_quick() {
+            self.free_block(id);
+            return Ok(());
+        }
+        if self.quick.len() >= self.policy.quick_cap {
+            let (_, _, old) = self.quick.remove(0);
+            self.unmark_inactive(old);
+            self.free_block(old);
+        }
+        let b = &mut self.blocks[id as usize];
+        b.state = State::Quick;
+        self.quick.push((b.rounded, b.stream, id));
+        self.mark_inactive(id);
+        Ok(())
+    }
+
+    /// Whether a freed block goes to the quick cache. The cache pays off when sizes repeat; when
+    /// recent allocations kept missing it, only one free in 32 still goes there (so that a
+    /// return of repeating sizes is noticed) and the rest coalesce at once.
+    #[inline]
+    pub(super) fn use_quick(&mut self) -> bool {
+        if self.policy.quick_cap == 0 {
+            return false;
+        }
+        self.quick_probe = self.quick_probe.wrapping_add(1);
+        self.quick_score >= 0 || self.quick_probe % 32 == 0
+    }
+
+    /// Why `addr` cannot be freed.
+    pub(super) fn bad_free(&self, addr: DevPtr) -> Error {
+        if let Some((_, &seg)) = self.segment_index.range(..=addr).next_back() {
+            let s = &self.segments[seg as usize];
+            let mut id = if addr < s.addr + s.size { s.head } else { NIL };
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                if (b.addr..b.addr + b.size).contains(&addr) {
+                    // a free block starting here, or one that absorbed it since, was freed;
+                    // an allocated block was handed out by id, not by address
+                    return match b.state {
+                        State::Free | State::Quick | State::Pending => {
+                            Error::DoubleFree { ptr: addr }
+                        }
+                        _ => Error::UnknownPointer { ptr: addr },
+                    };
+                }
+                id = b.next;
+            }
+        }
+        Error::UnknownPointer { ptr: addr }
+    }
+
+    /// Return every wholly free segment to the backend; returns the bytes released.
+    pub fn release_cached(&mut self) -> u64 {
+        self.churn = Churn::default();
+        self.shared.churn_level.store(0, Ordering::Relaxed);
+        self.flush_quick();
+        self.process_events();
+        let mut bytes = self.reclaim_pages(None, u64::MAX);
+        for seg in self.releasable() {
+            let s = &self.segments[seg as usize];
+            if s.pages.is_none() {
+                bytes += s.size;
+            }
+            self.release_segment(seg);
+        }
+        bytes
+    }
+
+    /// Release unused cached memory to the device (`torch.cuda.empty_cache()`).
+    pub fn empty_cache(&mut self) -> u64 {
+        self.release_cached()
+    }
+
+    /// Warm-up: allocate blocks of the given sizes and free them again, so that later requests
+    /// of those sizes are served from the cache.
+    pub fn reserve(&mut self, stream: Stream, sizes: &[usize]) -> Result<()> {
+        let mut got = Vec::with_capacity(sizes.len());
+        let mut result = Ok(());
+        for &s in sizes {
+            match self.allocate(stream, s, MAX_ALIGN) {
+                Ok(a) => got.push(a.addr),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        for a in got {
+            self.free(a)?;
+        }
+        self.flush_quick();
+        result
+    }
+}
