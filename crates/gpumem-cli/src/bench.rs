@@ -2,7 +2,7 @@
 //! allocators on a GPU, or against the system allocator on the host backend.
 
 use gpumem::workload::RandomLive;
-use gpumem::{Allocation, CachingAllocator, Config, Resource, Stream};
+use gpumem::{Allocation, CachingAllocator, Config, Device, Resource, Stream};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::alloc::Layout;
@@ -299,5 +299,5 @@ pub fn units<A: Api>(api: &A, plan: &Plan) -> u64 {
 
 /// gpumem over the host backend with the bench's configuration.
 pub fn host_gpumem(config: Config) -> gpumem::Result<Gpumem> {
-    Ok(Gpumem(CachingAllocator::host(config)?))
+    Ok(Gpumem(Device::host(config)?.allocator().clone()))
 }

@@ -8,7 +8,7 @@ mod viz;
 
 use bench::{Plan, Row};
 use clap::{Parser, Subcommand};
-use gpumem::pool::summary::human;
+use gpumem::units::human;
 use gpumem::{Config, DeviceInfo};
 use serde::Serialize;
 use std::process::ExitCode;
@@ -343,7 +343,7 @@ fn bench_transfer(
         {
             let name = device_name(device)?;
             (
-                gpumem::CachingAllocator::cuda(device, config).map_err(|e| e.to_string())?,
+                gpumem::Device::cuda(device, config).map_err(|e| e.to_string())?,
                 name,
             )
         }
@@ -354,7 +354,7 @@ fn bench_transfer(
         }
     } else {
         (
-            gpumem::CachingAllocator::host(config).map_err(|e| e.to_string())?,
+            gpumem::Device::host(config).map_err(|e| e.to_string())?,
             "host (no GPU: copies are memcpy)".to_string(),
         )
     };
@@ -433,7 +433,12 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>), String
     use std::sync::Arc;
     let e = |e: gpumem::Error| e.to_string();
     let name = device_name(a.device)?;
-    let g = bench::Gpumem(gpumem::CachingAllocator::cuda(a.device, config).map_err(e)?);
+    let g = bench::Gpumem(
+        gpumem::Device::cuda(a.device, config)
+            .map_err(e)?
+            .allocator()
+            .clone(),
+    );
     let raw = bench::Raw {
         resource: Arc::new(CudaDevice::new(a.device).map_err(e)?),
         slow: true,
@@ -552,7 +557,7 @@ fn replay_on_device(
             "replay --device needs a CUDA GPU".into(),
         ));
     }
-    let make = || gpumem::allocator::cuda_backend(ordinal, config);
+    let make = || gpumem::device::cuda_backend(ordinal, config);
     // a CUDA stream of our own for every stream id of the trace but 0 (the default stream)
     let ctx = gpumem::resource::cuda::primary_context(ordinal)?;
     let mut streams = std::collections::HashMap::new();
@@ -586,7 +591,7 @@ fn replay_on_device(
 }
 
 fn synth(kind: &str, output: &std::path::Path, seed: u64, scale: usize) -> Result<(), String> {
-    use gpumem::workload::synthetic::Kind;
+    use gpumem::trace::synthetic::Kind;
     let k = Kind::from_name(kind).ok_or_else(|| {
         let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
         format!("unknown workload `{kind}` (known: {})", names.join(", "))

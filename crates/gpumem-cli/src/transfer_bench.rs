@@ -3,8 +3,9 @@
 //! getting pinned memory (raw vs the pinned pool).
 
 use gpumem::resource::{CopyKind, StreamOps};
+use gpumem::units::size_label as human;
 use gpumem::{
-    CachingAllocator, DeviceBuffer, PinnedBuffer, PinnedHost, PinnedRegistration, Stream, Transfer,
+    Device, DeviceBuffer, PinnedBuffer, PinnedHost, PinnedRegistration, Stream, Transfer,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -72,7 +73,7 @@ fn row(path: &str, direction: &str, bytes: usize, seconds: f64) -> Row {
 }
 
 /// Every path at every size, on `alloc`'s device.
-pub fn run(alloc: &CachingAllocator, device: String, sizes: &[usize], quiet: bool) -> Res<Out> {
+pub fn run(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Res<Out> {
     let max = sizes.iter().copied().max().unwrap_or(0);
     let stream = alloc.create_stream().map_err(e)?;
     let pool = alloc.pinned_pool().map_err(e)?;
@@ -190,7 +191,7 @@ pub fn run(alloc: &CachingAllocator, device: String, sizes: &[usize], quiet: boo
 /// Managed memory prefetched each way (the reference the unified-memory work is measured
 /// against). Skipped where the device has too little free memory for a safe allocation.
 #[cfg(feature = "cuda")]
-fn managed_rows(alloc: &CachingAllocator, n: usize, stream: Stream) -> Res<Option<Vec<Row>>> {
+fn managed_rows(alloc: &Device, n: usize, stream: Stream) -> Res<Option<Vec<Row>>> {
     use gpumem::resource::cuda::CudaManaged;
     use gpumem::resource::Resource;
     let gpumem::Location::Cuda(ordinal) = alloc.backend().location() else {
@@ -228,7 +229,7 @@ fn managed_rows(alloc: &CachingAllocator, n: usize, stream: Stream) -> Res<Optio
 }
 
 /// Pinned alloc+free: the raw resource against the pool's cache.
-fn pinned_alloc_rows(alloc: &CachingAllocator) -> Res<Vec<AllocRow>> {
+fn pinned_alloc_rows(alloc: &Device) -> Res<Vec<AllocRow>> {
     let pool = alloc.pinned_pool().map_err(e)?;
     let raw = pool.backend().clone();
     let mut out = Vec::new();
@@ -261,18 +262,6 @@ fn pinned_alloc_rows(alloc: &CachingAllocator) -> Res<Vec<AllocRow>> {
         });
     }
     Ok(out)
-}
-
-pub fn human(b: u64) -> String {
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
-        format!("{} GiB", b >> 30)
-    } else if b >= 1 << 20 && b % (1 << 20) == 0 {
-        format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
-        format!("{} KiB", b >> 10)
-    } else {
-        format!("{b} B")
-    }
 }
 
 /// One line per direction and size (16 MiB and up) with path `num` as a share of path `den`.
@@ -368,7 +357,7 @@ pub fn peer(max_mib: usize) -> Res<Out> {
         ctx[1].new_stream().map_err(|x| format!("{x:?}"))?,
     ];
     let s = [Stream::from(&*st[0]), Stream::from(&*st[1])];
-    let a = [set.allocator(0).map_err(e)?, set.allocator(1).map_err(e)?];
+    let a = [set.device(0).map_err(e)?, set.device(1).map_err(e)?];
     let mut b0 = DeviceBuffer::<u8>::zeroed(a[0], s[0], max).map_err(e)?;
     let mut b1 = DeviceBuffer::<u8>::zeroed(a[1], s[1], max).map_err(e)?;
     let raw = [

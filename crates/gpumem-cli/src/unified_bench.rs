@@ -6,9 +6,10 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpumem::buffer::unified::DeviceView;
 use gpumem::profile::{UmCounter, UmCounts};
 use gpumem::resource::cuda::CudaManaged;
+use gpumem::Device;
 use gpumem::{
-    CachingAllocator, Config, DeviceBuffer, PinnedBuffer, Placement, Resource, Stream, StreamOps,
-    UnifiedBuffer, UnifiedMemory,
+    Config, DeviceBuffer, PinnedBuffer, Placement, Resource, Stream, StreamOps, UnifiedBuffer,
+    UnifiedMemory,
 };
 use serde::Serialize;
 use std::sync::Arc;
@@ -123,7 +124,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
         f: module.load_function("axpy").map_err(e)?,
         st: st.clone(),
     };
-    let alloc = CachingAllocator::cuda(ordinal, Config::default()).map_err(e)?;
+    let alloc = Device::cuda(ordinal, Config::default()).map_err(e)?;
     let n: usize = 64 << 20; // floats: two 256 MiB arrays
     let bytes = n * 4;
     let host_x: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();

@@ -7,10 +7,10 @@
 //!   mapped pages) with its blocks, coloured by use: requested bytes, rounding, free (cached or
 //!   fragmented).
 
-use gpumem::pool::summary::human;
 use gpumem::pool::SegmentInfo;
 use gpumem::resource::sim::SimulatedDevice;
 use gpumem::trace::{Action, Replay, TraceEvent};
+use gpumem::units::human;
 use gpumem::{Backend, Config};
 use std::fmt::Write as _;
 use std::path::Path;

@@ -12,6 +12,7 @@
 //! The statistics functions return JSON or text in a buffer the caller frees with
 //! [`gpumem_free_string`].
 
+use gpumem::Device;
 use gpumem::{CachingAllocator, Config, Stream};
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -105,23 +106,25 @@ pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
 
 #[cfg(all(feature = "cuda", not(test)))]
 fn make(device: usize, config: Config) -> gpumem::Result<CachingAllocator> {
+    let allocator_of = |d: gpumem::Result<Device>| d.map(|d| d.allocator().clone());
     if !gpumem::device::cuda_available() {
         return Err(gpumem::Error::NoGpu("no CUDA driver or device".into()));
     }
-    CachingAllocator::cuda(device, config)
+    allocator_of(Device::cuda(device, config))
 }
 
 /// Without CUDA (and in this crate's unit tests, which exercise the ABI on the host backend)
 /// device 0 is host memory; there is no other device.
 #[cfg(any(not(feature = "cuda"), test))]
 fn make(device: usize, config: Config) -> gpumem::Result<CachingAllocator> {
+    let allocator_of = |d: gpumem::Result<Device>| d.map(|d| d.allocator().clone());
     if device != 0 {
         return Err(gpumem::Error::InvalidDevice {
             ordinal: device,
             count: 1,
         });
     }
-    CachingAllocator::host(config)
+    allocator_of(Device::host(config))
 }
 
 fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {

@@ -6,6 +6,7 @@
 
 use divan::{black_box, Bencher};
 use gpumem::workload::RandomLive;
+use gpumem::Device;
 use gpumem::{CachingAllocator, Config, Stream};
 use std::alloc::{alloc, dealloc, Layout};
 
@@ -14,7 +15,11 @@ fn main() {
 }
 
 fn gpumem() -> CachingAllocator {
-    CachingAllocator::host(Config::from_env().unwrap()).unwrap()
+    // the allocator itself, as every front end reaches it (no deref through the device)
+    Device::host(Config::from_env().unwrap())
+        .unwrap()
+        .allocator()
+        .clone()
 }
 
 #[divan::bench(threads = [1, 2], sample_count = 200, sample_size = 2000)]

@@ -3,7 +3,8 @@
 //! data before each access), checked against a CPU result.
 //! `cargo run --release -p gpumem --example cosine_unified [-- mirrored|managed|auto]`
 
-use gpumem::{CachingAllocator, Config, Placement, Stream, UnifiedBuffer, UnifiedMemory};
+use gpumem::Device;
+use gpumem::{Config, Placement, Stream, UnifiedBuffer, UnifiedMemory};
 use std::time::Instant;
 
 const DIM: usize = 768;
@@ -65,7 +66,7 @@ fn run_gpu(placement: Placement) -> Result<(), Box<dyn std::error::Error>> {
     let ctx = gpumem::resource::cuda::primary_context(0)?;
     let st = ctx.new_stream()?;
     let s = Stream::from(&*st);
-    let alloc = CachingAllocator::cuda(0, Config::from_env()?)?;
+    let alloc = Device::cuda(0, Config::from_env()?)?;
     let mem = UnifiedMemory::new(&alloc, placement)?;
     let f = ctx
         .load_module(cudarc::nvrtc::compile_ptx(KERNEL)?)?

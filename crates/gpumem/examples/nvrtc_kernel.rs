@@ -2,7 +2,8 @@
 //! `cargo run --release -p gpumem --example nvrtc_kernel`.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use gpumem::{CachingAllocator, Config, DeviceBuffer, Stream};
+use gpumem::Device;
+use gpumem::{Config, DeviceBuffer, Stream};
 
 const SRC: &str = r#"
 extern "C" __global__ void saxpy(float* y, const float* x, float a, unsigned long long n) {
@@ -19,7 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let ctx = gpumem::resource::cuda::primary_context(0)?;
     let stream = ctx.new_stream()?;
-    let alloc = CachingAllocator::cuda(0, Config::from_env()?)?;
+    let alloc = Device::cuda(0, Config::from_env()?)?;
     let s = Stream::from(&*stream);
 
     let n = 1 << 20;

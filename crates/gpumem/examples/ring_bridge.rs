@@ -3,8 +3,9 @@
 //! is gpumem's host backend and the echo is done by copies.
 //! `cargo run --release -p gpumem --example ring_bridge`
 
-use gpumem::transfer::ring::RingBridge;
-use gpumem::{CachingAllocator, Config, Stream};
+use gpumem::buffer::ring::RingBridge;
+use gpumem::Device;
+use gpumem::{Config, Stream};
 use std::time::Instant;
 
 #[path = "../tests/common/msg.rs"]
@@ -31,20 +32,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     #[cfg(feature = "cuda")]
     let (alloc, stream) = match &cuda {
-        Some((st, _)) => (
-            CachingAllocator::cuda(0, Config::from_env()?)?,
-            Stream::from(&**st),
-        ),
-        None => (
-            CachingAllocator::host(Config::from_env()?)?,
-            Stream::DEFAULT,
-        ),
+        Some((st, _)) => (Device::cuda(0, Config::from_env()?)?, Stream::from(&**st)),
+        None => (Device::host(Config::from_env()?)?, Stream::DEFAULT),
     };
     #[cfg(not(feature = "cuda"))]
-    let (alloc, stream) = (
-        CachingAllocator::host(Config::from_env()?)?,
-        Stream::DEFAULT,
-    );
+    let (alloc, stream) = (Device::host(Config::from_env()?)?, Stream::DEFAULT);
 
     let mut ring = RingBridge::<Msg>::new(&alloc, stream, cap)?;
     let (mut sent, mut got) = (0u64, 0u64);

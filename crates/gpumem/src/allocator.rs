@@ -8,13 +8,9 @@
 use crate::adaptor::Limit;
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::pool::pinned::PinnedPool;
 use crate::pool::summary::memory_summary;
 use crate::pool::{CachingPool, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
-use crate::resource::host::HostResource;
-use crate::resource::sim::SimulatedDevice;
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
-use crate::transfer::{StagingConfig, TransferEngine};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -43,8 +39,6 @@ struct Inner {
     shards: Box<[Padded<Mutex<CachingPool>>]>,
     shared: Arc<SharedCounters>,
     config: Config,
-    /// made on first use: staging for copies from and to ordinary host memory
-    transfer: std::sync::OnceLock<TransferEngine>,
 }
 
 /// A block handed out by [`CachingAllocator::allocate`]. Give it back with
@@ -117,38 +111,8 @@ impl CachingAllocator {
                 shared,
                 config,
                 limit,
-                transfer: std::sync::OnceLock::new(),
             }),
         })
-    }
-
-    /// Over plain host memory.
-    pub fn host(config: Config) -> Result<Self> {
-        Self::new(Arc::new(HostResource::new()), config)
-    }
-
-    /// Over a simulated device of `capacity` bytes; also returns the device for inspection.
-    pub fn simulated(capacity: u64, config: Config) -> Result<(Self, Arc<SimulatedDevice>)> {
-        let dev = Arc::new(SimulatedDevice::new(capacity));
-        Ok((Self::new(dev.clone(), config)?, dev))
-    }
-
-    /// Over CUDA device `ordinal` (primary context), with `backend:` from the configuration
-    /// choosing cuMemAlloc or a cudaMallocAsync pool.
-    #[cfg(feature = "cuda")]
-    pub fn cuda(ordinal: usize, config: Config) -> Result<Self> {
-        Self::new(cuda_backend(ordinal, &config)?, config)
-    }
-
-    /// CUDA device 0 where a GPU is usable, else the host backend; configured from
-    /// `GPUMEM_CONF`.
-    pub fn from_env() -> Result<Self> {
-        let config = Config::from_env()?;
-        #[cfg(feature = "cuda")]
-        if crate::device::cuda_available() {
-            return Self::cuda(0, config);
-        }
-        Self::host(config)
     }
 
     #[inline]
@@ -332,7 +296,7 @@ impl CachingAllocator {
     }
 
     /// Start recording allocator events (allocations, frees, segments and page maps) on every
-    /// shard, in the JSON Lines trace format ([`crate::trace`]); an earlier recording is
+    /// shard, in the JSON Lines trace format (the trace module writes it); an earlier recording is
     /// dropped. While off, recording costs one branch per call.
     pub fn start_recording(&self) {
         let start = std::time::Instant::now();
@@ -342,8 +306,8 @@ impl CachingAllocator {
     }
 
     /// Stop recording and return the events of all shards in time order.
-    pub fn stop_recording(&self) -> Vec<crate::trace::TraceEvent> {
-        let mut all: Vec<(u64, usize, crate::trace::TraceEvent)> = Vec::new();
+    pub fn stop_recording(&self) -> Vec<crate::pool::record::TraceEvent> {
+        let mut all: Vec<(u64, usize, crate::pool::record::TraceEvent)> = Vec::new();
         for j in 0..self.inner.shards.len() {
             let events = self.shard(j).stop_recording();
             all.extend(
@@ -406,37 +370,6 @@ impl CachingAllocator {
         &self.inner.backend
     }
 
-    /// The transfer engine for this allocator's device (made on first use, with a pinned pool
-    /// of cuMemHostAlloc memory on a GPU, plain host memory on the host backend).
-    pub fn transfer_engine(&self) -> Result<&TransferEngine> {
-        if let Some(e) = self.inner.transfer.get() {
-            return Ok(e);
-        }
-        let pinned = match self.inner.backend.location() {
-            Location::Host => PinnedPool::host(),
-            #[cfg(feature = "cuda")]
-            Location::Cuda(ordinal) => PinnedPool::cuda(ordinal)?,
-            other => {
-                return Err(Error::Unsupported {
-                    backend: self.inner.backend.name().to_string(),
-                    what: format!("host copies ({other:?} memory)"),
-                })
-            }
-        };
-        let engine = TransferEngine::new(
-            self.inner.backend.clone(),
-            pinned,
-            StagingConfig::from_config(&self.inner.config),
-        );
-        // a racing thread may have set one first: either is fine, ours is then dropped
-        Ok(self.inner.transfer.get_or_init(|| engine))
-    }
-
-    /// The pinned host pool of this allocator's transfer engine.
-    pub fn pinned_pool(&self) -> Result<&PinnedPool> {
-        Ok(self.transfer_engine()?.pinned_pool())
-    }
-
     /// The configuration in force.
     pub fn config(&self) -> &Config {
         &self.inner.config
@@ -494,18 +427,4 @@ impl Resource for CachingAllocator {
     }
 }
 
-crate::adaptor::forward_stream_ops!(CachingAllocator, |s| s.inner.backend);
-
-/// The CUDA resource `config` asks for on device `ordinal`: cuMemAlloc and virtual-memory pages
-/// (`backend:native`, the default) or a stream-ordered pool (`backend:cudaMallocAsync`).
-#[cfg(feature = "cuda")]
-pub fn cuda_backend(ordinal: usize, config: &Config) -> Result<Arc<dyn Backend>> {
-    use crate::config::BackendKind;
-    use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
-    Ok(match config.backend {
-        BackendKind::Native => Arc::new(CudaDevice::new(ordinal)?),
-        BackendKind::CudaMallocAsync => {
-            Arc::new(CudaAsyncPool::new(ordinal, config.release_threshold)?)
-        }
-    })
-}
+crate::resource::forward_stream_ops!(CachingAllocator, |s| s.inner.backend);

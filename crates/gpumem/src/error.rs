@@ -28,7 +28,7 @@ pub struct OomReport {
 
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let h = crate::pool::summary::human;
+        let h = crate::units::human;
         write!(
             f,
             "tried to allocate {} (segment of {}); device has {} free of {}; \

@@ -2,14 +2,15 @@
 
 use gpumem::adaptor::Tracking;
 use gpumem::resource::host::HostResource;
-use gpumem::{Backend, CachingAllocator, Config, DeviceBuffer, Error, Resource, Stats, Stream};
+use gpumem::Device;
+use gpumem::{Backend, Config, DeviceBuffer, Error, Resource, Stats, Stream};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
 const S: Stream = Stream::DEFAULT;
 
-fn host() -> CachingAllocator {
-    CachingAllocator::host(Config::default()).unwrap()
+fn host() -> Device {
+    Device::host(Config::default()).unwrap()
 }
 
 #[test]
@@ -62,8 +63,7 @@ fn bad_requests_leave_the_allocator_usable() {
 #[test]
 fn memory_limit_gives_oom_then_recovers() {
     let (a, dev) =
-        CachingAllocator::simulated(1 << 40, Config::parse("memory_limit_mb:100").unwrap())
-            .unwrap();
+        Device::simulated(1 << 40, Config::parse("memory_limit_mb:100").unwrap()).unwrap();
     assert_eq!(a.backend().limit(), Some(100 * MIB));
     let x = a.allocate(S, (60 * MIB) as usize, 256).unwrap();
     let e = a.allocate(S, (60 * MIB) as usize, 256).unwrap_err();
@@ -83,16 +83,14 @@ fn memory_limit_gives_oom_then_recovers() {
 #[test]
 fn memory_fraction_is_a_budget() {
     let (a, _) =
-        CachingAllocator::simulated(1000 * MIB, Config::parse("memory_fraction:0.25").unwrap())
-            .unwrap();
+        Device::simulated(1000 * MIB, Config::parse("memory_fraction:0.25").unwrap()).unwrap();
     assert_eq!(a.backend().limit(), Some(250 * MIB));
     assert!(a.allocate(S, (300 * MIB) as usize, 256).is_err());
 }
 
 #[test]
 fn shards_reclaim_each_others_cache_before_oom() {
-    let (a, _) =
-        CachingAllocator::simulated(100 * MIB, Config::parse("shards:2").unwrap()).unwrap();
+    let (a, _) = Device::simulated(100 * MIB, Config::parse("shards:2").unwrap()).unwrap();
     // another thread (another shard) caches 60 MiB
     let b = a.clone();
     std::thread::spawn(move || {
@@ -109,7 +107,7 @@ fn shards_reclaim_each_others_cache_before_oom() {
 
 #[test]
 fn freeing_from_another_thread_returns_to_the_owning_shard() {
-    let a = CachingAllocator::host(Config::parse("shards:4").unwrap()).unwrap();
+    let a = Device::host(Config::parse("shards:4").unwrap()).unwrap();
     let x = a.allocate(S, 4096, 256).unwrap();
     let b = a.clone();
     std::thread::spawn(move || b.deallocate(x).unwrap())
@@ -149,7 +147,7 @@ fn stats_serialise_and_summary_prints() {
 
 #[test]
 fn reserve_warms_the_cache() {
-    let (a, dev) = CachingAllocator::simulated(1 << 40, Config::default()).unwrap();
+    let (a, dev) = Device::simulated(1 << 40, Config::default()).unwrap();
     a.reserve(S, &[1 << 20, 50 << 20]).unwrap();
     let before = dev.counters().allocs;
     let x = a.allocate(S, 1 << 20, 256).unwrap();
@@ -161,7 +159,7 @@ fn reserve_warms_the_cache() {
 
 #[test]
 fn tracking_reports_leaks_through_the_allocator() {
-    let alloc: Arc<dyn Backend> = Arc::new(host());
+    let alloc: Arc<dyn Backend> = Arc::new(host().allocator().clone());
     let t = Tracking::new(alloc, true);
     let p = t.allocate(S, 100, 256).unwrap();
     let q = t.allocate(S, 200, 256).unwrap();
@@ -252,7 +250,7 @@ fn device_buffer_of_arrays() {
 
 #[test]
 fn active_stats_include_blocks_waiting_on_events() {
-    let (a, dev) = CachingAllocator::simulated(1 << 40, Config::default()).unwrap();
+    let (a, dev) = Device::simulated(1 << 40, Config::default()).unwrap();
     dev.set_auto_complete(false);
     let x = a.allocate(S, 4096, 256).unwrap();
     let y = a.allocate(S, 8192, 256).unwrap();

@@ -3,7 +3,8 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use gpumem::{CachingAllocator, Config, DeviceBuffer, Error, Stream};
+use gpumem::Device;
+use gpumem::{Config, DeviceBuffer, Error, Stream};
 use std::sync::Arc;
 
 const KERNELS: &str = r#"
@@ -81,7 +82,7 @@ fn round_trips_keep_data_intact() {
         "backend:cudaMallocAsync",
         "quick_cache:0,shards:1",
     ] {
-        let a = CachingAllocator::cuda(0, Config::parse(conf).unwrap()).unwrap();
+        let a = Device::cuda(0, Config::parse(conf).unwrap()).unwrap();
         let s = Stream::DEFAULT;
         for n in [
             1usize,
@@ -122,7 +123,7 @@ fn round_trips_keep_data_intact() {
 fn kernels_take_gpumem_buffers() {
     let g = gpu();
     let stream = g.ctx.new_stream().unwrap();
-    let a = CachingAllocator::cuda(0, Config::default()).unwrap();
+    let a = Device::cuda(0, Config::default()).unwrap();
     let s = Stream::from(&*stream);
     let n = 1_000_003usize;
     let x: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
@@ -153,7 +154,7 @@ fn kernels_take_gpumem_buffers() {
 fn cudarc_copies_take_gpumem_buffers() {
     let g = gpu();
     let (own, other) = (g.ctx.new_stream().unwrap(), g.ctx.new_stream().unwrap());
-    let a = CachingAllocator::cuda(0, Config::default()).unwrap();
+    let a = Device::cuda(0, Config::default()).unwrap();
     let data: Vec<u32> = (0..100_003).map(|i| i * 7 + 1).collect();
     let mut b = DeviceBuffer::<u32>::zeroed(&a, Stream::from(&*own), data.len()).unwrap();
     // on the buffer's own stream, then on another one (ordered after the buffer's stream)
@@ -182,8 +183,7 @@ fn block_in_use_by_another_stream_is_not_reused_early() {
     let (a_, b_) = (Stream::from(&*sa), Stream::from(&*sb));
     let n = 1 << 20;
     let cycles: i64 = 200_000_000; // ~100 ms at H100 clocks
-    let alloc =
-        CachingAllocator::cuda(0, Config::parse("cross_stream_reuse:false").unwrap()).unwrap();
+    let alloc = Device::cuda(0, Config::parse("cross_stream_reuse:false").unwrap()).unwrap();
     for record in [true, false] {
         let mut x = DeviceBuffer::<u32>::alloc(&alloc, a_, n).unwrap();
         fill(&g, &sa, &mut x, 0x1111_1111);
@@ -230,7 +230,7 @@ fn block_in_use_by_another_stream_is_not_reused_early() {
 #[ignore = "needs a CUDA GPU"]
 fn oom_under_a_memory_fraction_recovers() {
     let _g = gpu();
-    let a = CachingAllocator::cuda(0, Config::parse("memory_fraction:0.05").unwrap()).unwrap();
+    let a = Device::cuda(0, Config::parse("memory_fraction:0.05").unwrap()).unwrap();
     let limit = a.backend().limit().unwrap();
     let chunk = 256usize << 20;
     let mut held = Vec::new();
@@ -266,7 +266,7 @@ fn oom_under_a_memory_fraction_recovers() {
 #[ignore = "needs a CUDA GPU"]
 fn threads_with_their_own_streams() {
     let g = gpu();
-    let a = CachingAllocator::cuda(0, Config::default()).unwrap();
+    let a = Device::cuda(0, Config::default()).unwrap();
     std::thread::scope(|sc| {
         for t in 0..8u32 {
             let (a, g) = (&a, &g);
@@ -303,7 +303,7 @@ fn pattern(n: usize, salt: u32) -> Vec<u32> {
 #[ignore = "needs a CUDA GPU"]
 fn expandable_segments_grow_in_place_keep_data_and_shrink() {
     let _g = gpu();
-    let a = CachingAllocator::cuda(0, Config::parse("shards:1,quick_cache:0").unwrap()).unwrap();
+    let a = Device::cuda(0, Config::parse("shards:1,quick_cache:0").unwrap()).unwrap();
     assert!(a.expandable(), "the H100 has virtual-memory management");
     let s = Stream::DEFAULT;
     let first_data = pattern(5 * MIB / 4 + 3, 0xabcd);
@@ -368,7 +368,7 @@ fn expandable_unmaps_only_after_pending_work_completes() {
     let g = gpu();
     let st = g.ctx.new_stream().unwrap();
     let s = Stream::from(&*st);
-    let a = CachingAllocator::cuda(
+    let a = Device::cuda(
         0,
         Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
     )
@@ -412,7 +412,7 @@ fn replay_on_the_gpu_agrees_with_the_simulation() {
     for conf in ["", "expandable_segments:False"] {
         let config = Config::parse(conf).unwrap();
         let sim = gpumem::trace::replay("sim", &events, &config, 1 << 50).unwrap();
-        let make = || gpumem::allocator::cuda_backend(0, &config);
+        let make = || gpumem::device::cuda_backend(0, &config);
         let gpu = gpumem::trace::replay_detailed("gpu", &events, &config, &make, &Stream)
             .unwrap()
             .report;

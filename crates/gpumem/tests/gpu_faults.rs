@@ -7,9 +7,8 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use gpumem::profile::UmCounter;
 use gpumem::resource::cuda::CudaManaged;
-use gpumem::{
-    CachingAllocator, Config, Placement, Resource, Stream, StreamOps, UnifiedBuffer, UnifiedMemory,
-};
+use gpumem::Device;
+use gpumem::{Config, Placement, Resource, Stream, StreamOps, UnifiedBuffer, UnifiedMemory};
 
 const AXPY: &str = r#"
 extern "C" __global__ void axpy(float* y, const float* x, float a, unsigned long long n) {
@@ -65,7 +64,7 @@ fn kernels_over_prefetched_unified_buffers_take_no_page_faults() {
     m.deallocate(my, n * 4, s).unwrap();
 
     // gpumem's unified buffers, both placements, prefetched by the views
-    let alloc = CachingAllocator::cuda(0, Config::default()).unwrap();
+    let alloc = Device::cuda(0, Config::default()).unwrap();
     for p in [Placement::Managed, Placement::Mirrored] {
         let mem = UnifiedMemory::new(&alloc, p).unwrap();
         for len in [1000usize, n] {

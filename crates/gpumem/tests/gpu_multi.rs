@@ -32,7 +32,7 @@ fn each_device_gets_memory_only_from_its_own_pool() {
             .collect::<Vec<_>>()
     );
     for d in 0..2 {
-        let a = set.allocator(d).unwrap();
+        let a = set.device(d).unwrap();
         let blocks: Vec<_> = [1usize, 4096, 1 << 20, 3 << 20, 100 << 20]
             .iter()
             .map(|&b| a.allocate(Stream::DEFAULT, b, 256).unwrap())
@@ -55,7 +55,7 @@ fn peer_copies_keep_data_at_odd_sizes() {
     let c0 = gpumem::resource::cuda::primary_context(0).unwrap();
     let c1 = gpumem::resource::cuda::primary_context(1).unwrap();
     let (s0, s1) = (c0.new_stream().unwrap(), c1.new_stream().unwrap());
-    let (a0, a1) = (set.allocator(0).unwrap(), set.allocator(1).unwrap());
+    let (a0, a1) = (set.device(0).unwrap(), set.device(1).unwrap());
     // before peer access: a clear error, not a driver failure
     {
         let src = DeviceBuffer::from_slice(a0, Stream::from(&*s0), &pattern(4097, 1)).unwrap();
@@ -72,7 +72,7 @@ fn peer_copies_keep_data_at_odd_sizes() {
     set.enable_peer_access(1, 0).unwrap();
     for len in [1usize, 4095, 4097, (1 << 20) + 3, (64 << 20) + 5] {
         for (from, to) in [(0usize, 1usize), (1, 0)] {
-            let (af, at) = (set.allocator(from).unwrap(), set.allocator(to).unwrap());
+            let (af, at) = (set.device(from).unwrap(), set.device(to).unwrap());
             let (sf, st) = if from == 0 { (&s0, &s1) } else { (&s1, &s0) };
             let want = pattern(len, from as u8 + 7);
             let src = DeviceBuffer::from_slice(af, Stream::from(&**sf), &want).unwrap();
@@ -95,7 +95,7 @@ fn peer_copies_keep_data_at_odd_sizes() {
 #[ignore = "needs two CUDA GPUs"]
 fn a_kernel_on_one_device_reads_the_others_virtual_memory_pages() {
     let set = two();
-    let a0 = set.allocator(0).unwrap();
+    let a0 = set.device(0).unwrap();
     assert!(
         a0.expandable(),
         "device 0 should use virtual-memory segments"
@@ -122,7 +122,7 @@ fn a_kernel_on_one_device_reads_the_others_virtual_memory_pages() {
         .unwrap()
         .load_function("copy")
         .unwrap();
-    let a1 = set.allocator(1).unwrap();
+    let a1 = set.device(1).unwrap();
     for buf in [&src, &late] {
         let mut out = DeviceBuffer::<u32>::zeroed(a1, Stream::from(&*s1), n).unwrap();
         let (p, nn) = (buf.device_ptr(), n as u64);
@@ -153,8 +153,8 @@ fn one_thread_per_device_stress() {
                 let octx = gpumem::resource::cuda::primary_context(1 - d).unwrap();
                 let ost = octx.new_stream().unwrap();
                 let ostream = Stream::from(&*ost);
-                let a = set.allocator(d).unwrap();
-                let other = set.allocator(1 - d).unwrap();
+                let a = set.device(d).unwrap();
+                let other = set.device(1 - d).unwrap();
                 let mut rng = rand::rngs::SmallRng::seed_from_u64(d as u64);
                 let mut live: Vec<DeviceBuffer<u8>> = Vec::new();
                 for i in 0..3000 {

@@ -3,10 +3,10 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use gpumem::transfer::ring::RingBridge;
+use gpumem::buffer::ring::RingBridge;
+use gpumem::Device;
 use gpumem::{
-    CachingAllocator, Config, DeviceBuffer, PinnedBuffer, PinnedHost, PinnedRegistration, Stream,
-    Transfer,
+    Config, DeviceBuffer, PinnedBuffer, PinnedHost, PinnedRegistration, Stream, Transfer,
 };
 use std::sync::Arc;
 
@@ -62,8 +62,8 @@ fn spin(g: &Gpu, s: &Arc<CudaStream>) {
     unsafe { b.launch(LaunchConfig::for_num_elems(1)) }.unwrap();
 }
 
-fn alloc() -> CachingAllocator {
-    CachingAllocator::cuda(0, Config::default()).unwrap()
+fn alloc() -> Device {
+    Device::cuda(0, Config::default()).unwrap()
 }
 
 fn pattern(len: usize, salt: u8) -> Vec<u8> {

@@ -5,9 +5,8 @@
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpumem::buffer::unified::DeviceView;
-use gpumem::{
-    CachingAllocator, Config, Error, Placement, Resource, Stream, UnifiedBuffer, UnifiedMemory,
-};
+use gpumem::Device;
+use gpumem::{Config, Error, Placement, Resource, Stream, UnifiedBuffer, UnifiedMemory};
 use std::sync::Arc;
 
 const KERNELS: &str = r#"
@@ -62,7 +61,7 @@ fn placements() -> Vec<Placement> {
 }
 
 fn mem(p: Placement) -> UnifiedMemory {
-    let alloc = CachingAllocator::cuda(0, Config::default()).unwrap();
+    let alloc = Device::cuda(0, Config::default()).unwrap();
     UnifiedMemory::new(&alloc, p).unwrap()
 }
 
@@ -155,7 +154,7 @@ fn explicit_prefetches_keep_data() {
 fn managed_guard_refuses_oversubscription_without_allocating() {
     let _g = gpu();
     let m = mem(Placement::Managed);
-    let free = m.device_allocator().mem_info().unwrap().free;
+    let free = m.device().mem_info().unwrap().free;
     let too_much = (free as f64 * 0.9) as usize;
     match UnifiedBuffer::<u8>::zeroed(&m, Stream::DEFAULT, too_much) {
         Err(e) => assert!(

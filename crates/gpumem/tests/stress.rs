@@ -1,12 +1,13 @@
 //! Many threads allocating, writing patterns, checking them, and freeing each other's buffers.
 
 use gpumem::workload::SplitMix;
-use gpumem::{CachingAllocator, Config, DeviceBuffer, Stream};
+use gpumem::Device;
+use gpumem::{Config, DeviceBuffer, Stream};
 use std::sync::mpsc;
 
 #[test]
 fn threads_never_see_each_others_bytes() {
-    let alloc = CachingAllocator::host(Config::parse("shards:4").unwrap()).unwrap();
+    let alloc = Device::host(Config::parse("shards:4").unwrap()).unwrap();
     let threads = 8;
     let (tx, rx) = mpsc::channel::<(u64, DeviceBuffer<u64>)>();
     let mut handles = Vec::new();

@@ -1,6 +1,7 @@
 //! Trace reading and replay.
 
 use gpumem::trace::{parse_trace, read_trace, recorded, replay, Action};
+use gpumem::Device;
 use gpumem::{Config, Error};
 use std::io::Write;
 use std::path::Path;
@@ -145,9 +146,9 @@ fn pickles_with_bad_entries_are_errors_naming_the_entry() {
 #[test]
 fn recorded_traces_replay_to_the_same_peak() {
     use gpumem::workload::SplitMix;
-    use gpumem::{CachingAllocator, Stream};
+    use gpumem::Stream;
     for conf in ["shards:1", "shards:1,expandable_segments:False"] {
-        let (a, dev) = CachingAllocator::simulated(TIB, Config::parse(conf).unwrap()).unwrap();
+        let (a, dev) = Device::simulated(TIB, Config::parse(conf).unwrap()).unwrap();
         let mut live = Vec::new();
         let mut r = SplitMix::new(9);
         a.start_recording();
@@ -237,7 +238,7 @@ fn real(name: &str) {
     assert_within_2_percent(name, &read_trace(&data(name)).unwrap());
 }
 
-fn synthetic(kind: gpumem::workload::synthetic::Kind) {
+fn synthetic(kind: gpumem::trace::synthetic::Kind) {
     assert_within_2_percent(kind.name(), &kind.generate(7, 1));
 }
 
@@ -265,32 +266,32 @@ fn within_2_percent_pytorch_variable_sequence_length() {
 
 #[test]
 fn within_2_percent_synthetic_variable_sequence_length() {
-    synthetic(gpumem::workload::synthetic::Kind::VariableSeqLen);
+    synthetic(gpumem::trace::synthetic::Kind::VariableSeqLen);
 }
 
 #[test]
 fn within_2_percent_synthetic_kv_cache_by_concatenation() {
-    synthetic(gpumem::workload::synthetic::Kind::KvCacheDecode);
+    synthetic(gpumem::trace::synthetic::Kind::KvCacheDecode);
 }
 
 #[test]
 fn within_2_percent_synthetic_tiny_next_to_huge() {
-    synthetic(gpumem::workload::synthetic::Kind::MixedTinyHuge);
+    synthetic(gpumem::trace::synthetic::Kind::MixedTinyHuge);
 }
 
 #[test]
 fn within_2_percent_synthetic_several_streams() {
-    synthetic(gpumem::workload::synthetic::Kind::MultiStream);
+    synthetic(gpumem::trace::synthetic::Kind::MultiStream);
 }
 
 #[test]
 fn within_2_percent_synthetic_convnet_training() {
-    synthetic(gpumem::workload::synthetic::Kind::ConvTraining);
+    synthetic(gpumem::trace::synthetic::Kind::ConvTraining);
 }
 
 #[test]
 fn synthetic_traces_are_deterministic_and_well_formed() {
-    use gpumem::workload::synthetic::Kind;
+    use gpumem::trace::synthetic::Kind;
     for kind in Kind::ALL {
         let a = kind.generate(3, 1);
         assert_eq!(a, kind.generate(3, 1), "{}", kind.name());

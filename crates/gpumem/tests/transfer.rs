@@ -1,11 +1,12 @@
 //! Pinned memory, the transfer engine and the ring bridge on the host backend (CI); the same
 //! paths run on a GPU in tests/gpu.rs.
 
+use gpumem::buffer::ring::RingBridge;
 use gpumem::pool::pinned::{size_class, PinnedPool};
 use gpumem::resource::sim::SimulatedDevice;
 use gpumem::resource::StreamOps;
-use gpumem::transfer::ring::RingBridge;
-use gpumem::{CachingAllocator, Config, DeviceBuffer, PinnedBuffer, PinnedRegistration, Stream};
+use gpumem::Device;
+use gpumem::{Config, DeviceBuffer, PinnedBuffer, PinnedRegistration, Stream};
 use gpumem::{Error, Transfer};
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -14,8 +15,8 @@ use std::sync::Arc;
 mod msg;
 use msg::Msg;
 
-fn host() -> CachingAllocator {
-    CachingAllocator::host(Config::default()).unwrap()
+fn host() -> Device {
+    Device::host(Config::default()).unwrap()
 }
 
 #[test]
@@ -117,7 +118,9 @@ fn registered_memory_is_a_copy_source_and_destination() {
 
 #[test]
 fn pinned_pool_caches_by_size_class() {
-    let pool = PinnedPool::host();
+    let pool = PinnedPool::new(std::sync::Arc::new(
+        gpumem::resource::host::HostResource::new(),
+    ));
     let a = PinnedBuffer::<u8>::zeroed(&pool, 5000).unwrap();
     drop(a);
     let b = PinnedBuffer::<u8>::zeroed(&pool, 6000).unwrap(); // same 8 KiB class

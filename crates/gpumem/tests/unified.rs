@@ -2,13 +2,12 @@
 //! mirror, here both host memory) with the same coherence rules as on a GPU. Device views are
 //! "run" by touching the view's address, as a kernel would.
 
-use gpumem::{
-    Advice, CachingAllocator, Config, Placement, Stream, StreamOps, UnifiedBuffer, UnifiedMemory,
-};
+use gpumem::Device;
+use gpumem::{Advice, Config, Placement, Stream, StreamOps, UnifiedBuffer, UnifiedMemory};
 use proptest::prelude::*;
 
 fn mem() -> UnifiedMemory {
-    let alloc = CachingAllocator::host(Config::default()).unwrap();
+    let alloc = Device::host(Config::default()).unwrap();
     UnifiedMemory::new(&alloc, Placement::Auto).unwrap()
 }
 
@@ -36,7 +35,7 @@ fn kernel_write(
 fn host_backend_picks_the_mirrored_placement() {
     let m = mem();
     assert_eq!(m.placement(), Placement::Mirrored);
-    let alloc = CachingAllocator::host(Config::default()).unwrap();
+    let alloc = Device::host(Config::default()).unwrap();
     assert!(UnifiedMemory::new(&alloc, Placement::Managed).is_err());
 }
 
@@ -86,7 +85,7 @@ fn cpu_write_device_write_cpu_read() {
 
 #[test]
 fn two_streams_on_disjoint_halves() {
-    let alloc = CachingAllocator::host(Config::default()).unwrap();
+    let alloc = Device::host(Config::default()).unwrap();
     let m = UnifiedMemory::new(&alloc, Placement::Mirrored).unwrap();
     let (a, bstream) = (
         alloc.create_stream().unwrap(),
@@ -165,7 +164,7 @@ proptest! {
         any::<bool>().prop_map(Op::PrefetchDevice),
         any::<bool>().prop_map(Op::PrefetchHost),
     ], 1..60)) {
-        let alloc = CachingAllocator::host(Config::default()).unwrap();
+        let alloc = Device::host(Config::default()).unwrap();
         let m = UnifiedMemory::new(&alloc, Placement::Mirrored).unwrap();
         let streams = [alloc.create_stream().unwrap(), alloc.create_stream().unwrap()];
         let st = |s: bool| streams[s as usize];

@@ -1,7 +1,7 @@
 //! A byte budget (VRAM limit) enforced before the wrapped resource is asked.
 
-use super::forward_stream_ops;
 use crate::error::{Error, Result};
+use crate::resource::forward_stream_ops;
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -88,7 +88,7 @@ impl Resource for Limit {
         self.inner.location()
     }
 
-    crate::adaptor::forward_resource_passthrough!(inner);
+    crate::resource::forward_resource_passthrough!(inner);
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.charge(bytes)?;

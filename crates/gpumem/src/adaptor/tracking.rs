@@ -1,7 +1,7 @@
 //! Leak tracking: remembers every live allocation made through it.
 
-use super::forward_stream_ops;
 use crate::error::{Error, Result};
+use crate::resource::forward_stream_ops;
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
@@ -110,7 +110,7 @@ impl Resource for Tracking {
     }
 
     // virtual-memory pages are not allocations: they pass through untracked
-    crate::adaptor::forward_resource_passthrough!(inner);
+    crate::resource::forward_resource_passthrough!(inner);
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner.map(addr, bytes)

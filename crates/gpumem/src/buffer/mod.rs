@@ -7,10 +7,12 @@
 //! call [`DeviceBuffer::record_stream`] for another stream.
 
 pub mod pinned;
+pub mod ring;
 pub mod unified;
 
-use crate::allocator::{Allocation, CachingAllocator};
+use crate::allocator::Allocation;
 use crate::buffer::pinned::{pinned_copy, PinnedHost};
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::pool::MAX_ALIGN;
 use crate::resource::{stream_after, CopyKind, DevPtr, Resource, Stream, StreamOps};
@@ -21,7 +23,7 @@ use std::ops::{Bound, Range, RangeBounds};
 
 /// A typed buffer in pool memory.
 pub struct DeviceBuffer<T: Pod> {
-    alloc: CachingAllocator,
+    alloc: Device,
     block: Option<Allocation>,
     /// Device address; kernel arguments point at this field.
     ptr: DevPtr,
@@ -87,7 +89,7 @@ fn resolve(range: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)>
 /// Device → host copy of `dst.len()` elements at `src` through the allocator's transfer
 /// engine; returns once `dst` holds them.
 fn read_into<T: Pod>(
-    alloc: &CachingAllocator,
+    alloc: &Device,
     stream: Stream,
     src: DevPtr,
     dst: &mut [T],
@@ -108,7 +110,7 @@ fn read_into<T: Pod>(
 
 /// Host → device copy of `src` to `dst` through the allocator's transfer engine.
 fn write_from<T: Pod>(
-    alloc: &CachingAllocator,
+    alloc: &Device,
     stream: Stream,
     dst: DevPtr,
     src: &[T],
@@ -187,7 +189,7 @@ fn check_len(expected: usize, got: usize) -> Result<()> {
 impl<T: Pod> DeviceBuffer<T> {
     /// `len` elements from `alloc` on `stream`. The contents are whatever the block last held
     /// (zeros for fresh host memory); use [`DeviceBuffer::zeroed`] for defined contents.
-    pub fn alloc(alloc: &CachingAllocator, stream: Stream, len: usize) -> Result<Self> {
+    pub fn alloc(alloc: &Device, stream: Stream, len: usize) -> Result<Self> {
         let bytes = bytes_of_len::<T>(len)?;
         let block = if bytes == 0 {
             None
@@ -205,7 +207,7 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// `len` zeroed elements.
-    pub fn zeroed(alloc: &CachingAllocator, stream: Stream, len: usize) -> Result<Self> {
+    pub fn zeroed(alloc: &Device, stream: Stream, len: usize) -> Result<Self> {
         let b = Self::alloc(alloc, stream, len)?;
         if b.len > 0 {
             // SAFETY: the block is ours and holds `num_bytes` bytes.
@@ -215,7 +217,7 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// A buffer holding a copy of `data`.
-    pub fn from_slice(alloc: &CachingAllocator, stream: Stream, data: &[T]) -> Result<Self> {
+    pub fn from_slice(alloc: &Device, stream: Stream, data: &[T]) -> Result<Self> {
         let mut b = Self::alloc(alloc, stream, data.len())?;
         b.copy_from_host(data)?;
         Ok(b)
@@ -251,7 +253,7 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 
     /// The allocator the buffer came from.
-    pub fn allocator(&self) -> &CachingAllocator {
+    pub fn allocator(&self) -> &Device {
         &self.alloc
     }
 

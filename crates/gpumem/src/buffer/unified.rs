@@ -18,6 +18,7 @@
 use crate::allocator::{Allocation, CachingAllocator};
 use crate::buffer::pinned::{pinned_copy, PinnedBuffer};
 use crate::buffer::DeviceBuffer;
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::resource::{
     stream_after, Advice, CopyKind, DevPtr, Location, MemPlace, Resource, Stream, StreamOps,
@@ -97,7 +98,7 @@ struct Managed {
 }
 
 struct UInner {
-    device: CachingAllocator,
+    device: Device,
     managed: Option<Managed>,
     placement: Placement,
 }
@@ -153,13 +154,13 @@ impl UnifiedMemory {
     /// device has concurrent managed access (Pascal and later on Linux) and the mirrored
     /// placement elsewhere (and on the host backend); `Managed` where it is missing is an
     /// error.
-    pub fn new(device: &CachingAllocator, placement: Placement) -> Result<Self> {
+    pub fn new(device: &Device, placement: Placement) -> Result<Self> {
         Self::with_options(device, placement, ManagedOptions::default())
     }
 
     /// As [`UnifiedMemory::new`], with the managed pool's guard options.
     pub fn with_options(
-        device: &CachingAllocator,
+        device: &Device,
         placement: Placement,
         options: ManagedOptions,
     ) -> Result<Self> {
@@ -213,8 +214,8 @@ impl UnifiedMemory {
         self.inner.placement
     }
 
-    /// The device allocator.
-    pub fn device_allocator(&self) -> &CachingAllocator {
+    /// The device (its allocator serves the mirrored placement and copies).
+    pub fn device(&self) -> &Device {
         &self.inner.device
     }
 

@@ -23,7 +23,7 @@
 //! - `events.rs`: blocks other streams still use ([`CachingPool::record_stream`]) wait for
 //!   events before reuse; checkpoint events tell which freed pages are idle.
 //! - `inspect.rs`: segment listings, the out-of-memory report, the invariant checker.
-//! - `record.rs`: the events the pool emits when recording (`crate::trace` writes them).
+//! - `record.rs`: the events the pool emits when recording (the trace module writes them).
 //! - `stats.rs`, `summary.rs`, `size.rs`: statistics with PyTorch's names, the summary table,
 //!   size rounding; `pinned.rs`: the pinned host pool's policy.
 

@@ -136,19 +136,6 @@ impl PinnedPool {
         }
     }
 
-    /// Over plain host memory (no GPU: copies are memcpy, events complete at once).
-    pub fn host() -> Self {
-        Self::new(Arc::new(crate::resource::host::HostResource::new()))
-    }
-
-    /// Over cuMemHostAlloc, with copies and events on device `ordinal`.
-    #[cfg(feature = "cuda")]
-    pub fn cuda(ordinal: usize) -> Result<Self> {
-        Ok(Self::new(Arc::new(
-            crate::resource::cuda::CudaPinnedHost::new(ordinal)?,
-        )))
-    }
-
     /// The backend (for copies and events on the pool's memory).
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.inner.backend
@@ -435,7 +422,7 @@ mod tests {
 
     #[test]
     fn cache_hit_needs_no_backend_call() {
-        let pool = PinnedPool::host();
+        let pool = PinnedPool::new(Arc::new(crate::resource::host::HostResource::new()));
         let a = pool.allocate(100_000).unwrap();
         let p = a.ptr();
         pool.free(a, vec![]).unwrap();
@@ -477,7 +464,7 @@ mod tests {
 
     #[test]
     fn bad_requests_are_errors_and_leave_the_pool_usable() {
-        let pool = PinnedPool::host();
+        let pool = PinnedPool::new(Arc::new(crate::resource::host::HostResource::new()));
         assert!(matches!(pool.allocate(0), Err(Error::ZeroSize)));
         assert!(matches!(
             pool.allocate(usize::MAX),

@@ -1,5 +1,5 @@
 //! Recording: the pool emits its events (allocations, frees, segments and pages) into an
-//! in-memory list when asked; `crate::trace` writes and reads them in files.
+//! in-memory list when asked; the trace module above writes and reads them in files.
 
 use super::*;
 use serde::Deserialize;

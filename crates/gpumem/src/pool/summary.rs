@@ -1,23 +1,8 @@
 //! `memory_summary()`: a text table in the manner of `torch.cuda.memory_summary()`.
 
 use super::stats::{Stat, StatArray, Stats};
+pub use crate::units::human;
 use std::fmt::Write;
-
-/// Bytes in human units (B, KiB, MiB, GiB, TiB).
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
 
 /// Render the stats as a table. `title` names the device/backend.
 pub fn memory_summary(title: &str, s: &Stats) -> String {

@@ -7,8 +7,12 @@
 //! and with the `cuda` feature [`cuda::CudaDevice`] (cuMemAlloc) and [`cuda::CudaAsyncPool`]
 //! (cuMemAllocFromPoolAsync).
 
+mod forward;
 pub mod host;
+pub mod info;
 pub mod sim;
+
+pub(crate) use forward::{forward_resource_passthrough, forward_stream_ops};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -108,7 +112,7 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()>;
     /// Free and total memory where this resource allocates.
     fn mem_info(&self) -> Result<MemInfo>;
-    /// A byte budget enforced by this resource (see [`crate::adaptor::Limit`]), if any.
+    /// A byte budget enforced by this resource (a budget adaptor wraps a resource with one), if any.
     fn limit(&self) -> Option<u64> {
         None
     }

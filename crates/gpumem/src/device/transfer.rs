@@ -11,8 +11,6 @@
 //! [`Transfer`] names the strategies a user picks between; typed buffers take it
 //! ([`crate::DeviceBuffer::copy_from_host_with`]).
 
-pub mod ring;
-
 use crate::error::Result;
 use crate::pool::pinned::{PinnedBlock, PinnedPool};
 use crate::resource::{Backend, CopyKind, DevPtr, Event, Stream};
@@ -531,7 +529,7 @@ mod tests {
     fn engine(chunk: usize, threads: usize) -> TransferEngine {
         TransferEngine::new(
             Arc::new(HostResource::new()),
-            PinnedPool::host(),
+            PinnedPool::new(Arc::new(HostResource::new())),
             StagingConfig {
                 chunk_bytes: chunk,
                 threads,

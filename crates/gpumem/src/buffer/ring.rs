@@ -12,9 +12,9 @@
 //! Messages are any plain-old-data type; cache-line-aligned ones (`#[repr(C, align(128))]`)
 //! keep each slot on its own lines.
 
-use crate::allocator::CachingAllocator;
 use crate::buffer::pinned::PinnedBuffer;
 use crate::buffer::DeviceBuffer;
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::resource::Stream;
 use bytemuck::Pod;
@@ -72,7 +72,7 @@ fn runs(seqs: Range<u64>, cap: usize) -> impl Iterator<Item = Range<usize>> {
 impl<T: Pod> RingBridge<T> {
     /// Rings of `capacity` messages each, with device rings from `alloc` on `stream` and host
     /// rings from its pinned pool.
-    pub fn new(alloc: &CachingAllocator, stream: Stream, capacity: usize) -> Result<Self> {
+    pub fn new(alloc: &Device, stream: Stream, capacity: usize) -> Result<Self> {
         if capacity == 0 {
             return Err(Error::ZeroSize);
         }

@@ -1,9 +1,10 @@
-//! Several GPUs: one caching allocator per device behind a process-wide set, and peer access.
+//! Several GPUs: one [`Device`] per GPU behind a process-wide set, and peer access.
 //!
 //! Each device's allocator is its own [`CachingAllocator`] (its own shards and locks), made on
 //! first use; looking one up is a lock-free read, so threads working on different devices
 //! share no lock on the hot path. A buffer's device is its allocator's device.
 
+use super::Device;
 use crate::allocator::CachingAllocator;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -11,10 +12,10 @@ use crate::resource::Resource;
 use parking_lot::Mutex;
 use std::sync::OnceLock;
 
-/// One caching allocator per device.
+/// One [`Device`] per GPU.
 #[derive(Debug)]
 pub struct DeviceSet {
-    slots: Box<[OnceLock<CachingAllocator>]>,
+    slots: Box<[OnceLock<Device>]>,
     /// configuration of every device's allocator (no devices without the `cuda` feature)
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     config: Config,
@@ -58,6 +59,11 @@ impl DeviceSet {
 
     /// Device `ordinal`'s allocator (made on first use).
     pub fn allocator(&self, ordinal: usize) -> Result<&CachingAllocator> {
+        Ok(self.device(ordinal)?.allocator())
+    }
+
+    /// Device `ordinal` (made on first use).
+    pub fn device(&self, ordinal: usize) -> Result<&Device> {
         let slot = self.slots.get(ordinal).ok_or(Error::InvalidDevice {
             ordinal,
             count: self.slots.len(),
@@ -74,8 +80,8 @@ impl DeviceSet {
     }
 
     #[cfg(feature = "cuda")]
-    fn make(&self, ordinal: usize) -> Result<CachingAllocator> {
-        let a = CachingAllocator::cuda(ordinal, self.config.clone())?;
+    fn make(&self, ordinal: usize) -> Result<Device> {
+        let a = Device::cuda(ordinal, self.config.clone())?;
         // peers enabled before this allocator existed get access to its pages too
         for &(from, to) in self.peers.lock().iter() {
             if to == ordinal {
@@ -86,7 +92,7 @@ impl DeviceSet {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn make(&self, ordinal: usize) -> Result<CachingAllocator> {
+    fn make(&self, ordinal: usize) -> Result<Device> {
         Err(Error::InvalidDevice { ordinal, count: 0 })
     }
 

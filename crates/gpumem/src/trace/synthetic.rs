@@ -12,8 +12,8 @@
 //! Every trace is JSON Lines compatible ([`TraceEvent`]): `alloc` / `free_completed` with unique
 //! addresses, no `segment_*` events (there is no recording allocator).
 
-use super::SplitMix;
-use crate::trace::{Action, TraceEvent};
+use super::{Action, TraceEvent};
+use crate::workload::SplitMix;
 use rustc_hash::FxHashMap;
 
 /// The synthetic workload kinds.

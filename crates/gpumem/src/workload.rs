@@ -1,4 +1,6 @@
-//! Deterministic allocation workloads shared by the benchmarks, the CLI and the tests.
+//! Deterministic random allocation workloads shared by the benchmarks, the CLI and the tests
+//! (no imports: any layer may use them; the synthetic traces of each workload kind are in
+//! the trace module's `synthetic`).
 
 /// A small, fast, seedable generator (SplitMix64), so workloads are identical everywhere.
 #[derive(Debug, Clone)]
@@ -61,5 +63,3 @@ impl RandomLive {
         }
     }
 }
-
-pub mod synthetic;

@@ -1,0 +1,188 @@
+//! Managed (unified) memory (cuMemAllocManaged) with a VRAM guard, advice and prefetch.
+
+use super::pinned::PINNED_ALIGN;
+use super::*;
+
+/// Managed (unified) memory (cuMemAllocManaged, attached globally) with a VRAM guard: a
+/// request that would take managed memory past `guard` × the device's free memory is refused
+/// (oversubscribing managed memory can stall the whole GPU).
+#[derive(Debug)]
+pub struct CudaManaged {
+    ops: CudaOps,
+    ordinal: usize,
+    guard: f64,
+    oversubscribe: bool,
+    live: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, usize>>,
+}
+
+impl CudaManaged {
+    /// Managed memory created on device `ordinal`, refusing to grow past 0.8 × free memory.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ops = CudaOps::new(primary_context(ordinal)?);
+        ops.bind()?;
+        Ok(Self {
+            ops,
+            ordinal,
+            guard: 0.8,
+            oversubscribe: false,
+            live: Default::default(),
+        })
+    }
+
+    /// The guard's fraction of free device memory (default 0.8), in (0, 1].
+    pub fn with_guard(mut self, fraction: f64) -> Result<Self> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "managed guard fraction {fraction} must be in (0, 1]"
+            )));
+        }
+        self.guard = fraction;
+        Ok(self)
+    }
+
+    /// Allow managed memory past the guard (oversubscription: pages are evicted to the host
+    /// as the device fills). Explicit opt-in: it can stall the whole GPU, so never on shared
+    /// machines.
+    pub fn allow_oversubscription(mut self) -> Self {
+        self.oversubscribe = true;
+        self
+    }
+
+    /// The device this memory is created on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Apply `advice` to `[ptr, ptr + bytes)`.
+    ///
+    /// # Safety
+    /// The range must lie in managed memory from this resource.
+    pub unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()> {
+        use sys::CUmem_advise as A;
+        let (a, loc) = match advice {
+            Advice::ReadMostly(true) => (A::CU_MEM_ADVISE_SET_READ_MOSTLY, self.here()),
+            Advice::ReadMostly(false) => (A::CU_MEM_ADVISE_UNSET_READ_MOSTLY, self.here()),
+            Advice::PreferredLocation(Some(l)) => {
+                (A::CU_MEM_ADVISE_SET_PREFERRED_LOCATION, mem_location(l))
+            }
+            Advice::PreferredLocation(None) => {
+                (A::CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION, self.here())
+            }
+            Advice::AccessedBy(d, true) => (A::CU_MEM_ADVISE_SET_ACCESSED_BY, device_location(d)),
+            Advice::AccessedBy(d, false) => {
+                (A::CU_MEM_ADVISE_UNSET_ACCESSED_BY, device_location(d))
+            }
+        };
+        self.ops.bind()?;
+        // SAFETY: the caller guarantees the range (contract above).
+        unsafe { result::mem_advise(ptr, bytes, a, loc) }.map_err(|e| cuda_err("cuMemAdvise", e))
+    }
+
+    fn here(&self) -> sys::CUmemLocation {
+        device_location(self.ordinal)
+    }
+
+    /// Bytes of managed memory this resource holds.
+    pub fn outstanding_bytes(&self) -> u64 {
+        self.live.lock().values().map(|&b| b as u64).sum()
+    }
+
+    /// Migrate `[ptr, ptr + bytes)` to the device, ordered on `stream`.
+    ///
+    /// # Safety
+    /// The range must lie in managed memory from this resource.
+    pub unsafe fn prefetch_to_device(
+        &self,
+        ptr: DevPtr,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        self.ops.bind()?;
+        // SAFETY: the caller guarantees the range (contract above).
+        unsafe {
+            result::mem_prefetch_async(ptr, bytes, device_location(self.ordinal), raw(stream))
+        }
+        .map_err(|e| cuda_err("cuMemPrefetchAsync", e))
+    }
+
+    /// Migrate `[ptr, ptr + bytes)` to host memory, ordered on `stream`.
+    ///
+    /// # Safety
+    /// The range must lie in managed memory from this resource.
+    pub unsafe fn prefetch_to_host(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()> {
+        self.ops.bind()?;
+        let host = mem_location(MemPlace::Host);
+        // SAFETY: the caller guarantees the range (contract above).
+        unsafe { result::mem_prefetch_async(ptr, bytes, host, raw(stream)) }
+            .map_err(|e| cuda_err("cuMemPrefetchAsync", e))
+    }
+}
+
+impl Resource for CudaManaged {
+    fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
+        if bytes == 0 {
+            return Err(Error::ZeroSize);
+        }
+        if !align.is_power_of_two() || align > PINNED_ALIGN {
+            return Err(Error::InvalidAlignment {
+                align,
+                max: PINNED_ALIGN,
+            });
+        }
+        let free = self.ops.mem_info()?.free;
+        let held = self.outstanding_bytes();
+        // managed pages already on the device count against `free`: the guard compares all
+        // managed memory with what the device could hold
+        let allowed = ((free + held) as f64 * self.guard) as u64;
+        if !self.oversubscribe && held + bytes as u64 > allowed {
+            return Err(Error::ManagedGuard {
+                requested: bytes as u64,
+                would_hold: held + bytes as u64,
+                free,
+                fraction: self.guard,
+            });
+        }
+        self.ops.bind()?;
+        // SAFETY: plain driver allocation, exposed only as an address.
+        let p =
+            unsafe { result::malloc_managed(bytes, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL) }
+                .map_err(|e| alloc_err("cuMemAllocManaged", bytes, "cuMemAllocManaged", e))?;
+        self.live.lock().insert(p, bytes);
+        Ok(p)
+    }
+
+    fn deallocate(&self, ptr: DevPtr, _bytes: usize, _stream: Stream) -> Result<()> {
+        if self.live.lock().remove(&ptr).is_none() {
+            return Err(Error::UnknownPointer { ptr });
+        }
+        self.ops.bind()?;
+        // SAFETY: `ptr` came from cuMemAllocManaged (the registry proves it), freed once.
+        unsafe { result::free_sync(ptr) }.map_err(|e| cuda_err("cuMemFree", e))
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        self.ops.mem_info()
+    }
+
+    fn name(&self) -> &str {
+        "cuMemAllocManaged"
+    }
+
+    fn location(&self) -> Location {
+        Location::Managed(self.ordinal)
+    }
+}
+
+impl Drop for CudaManaged {
+    fn drop(&mut self) {
+        let live: Vec<DevPtr> = self.live.get_mut().keys().copied().collect();
+        if !live.is_empty() && self.ops.bind().is_ok() {
+            for p in live {
+                // SAFETY: registered blocks came from cuMemAllocManaged and were never freed.
+                let _ = unsafe { result::free_sync(p) };
+            }
+        }
+    }
+}
+
+cuda_stream_ops!(CudaManaged);

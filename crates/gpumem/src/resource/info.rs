@@ -1,0 +1,67 @@
+//! Device capabilities (what `gpumem info` prints and what later layers decide on): the
+//! queries behind them live with the backend (`cuda::query`).
+
+use serde::Serialize;
+
+/// One CUDA device and the attributes gpumem's features depend on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceInfo {
+    /// ordinal
+    pub ordinal: usize,
+    /// marketing name
+    pub name: String,
+    /// (major, minor)
+    pub compute_capability: (i32, i32),
+    /// bytes of device memory
+    pub total_memory: u64,
+    /// bytes free now
+    pub free_memory: u64,
+    /// streaming multiprocessors
+    pub multiprocessors: i32,
+    /// cuMemAllocManaged works
+    pub managed_memory: bool,
+    /// CPU and GPU may touch managed memory concurrently
+    pub concurrent_managed_access: bool,
+    /// the GPU can access pageable host memory
+    pub pageable_memory_access: bool,
+    /// cuMemCreate/cuMemMap (virtual-memory segments)
+    pub virtual_memory_management: bool,
+    /// cuMemPool* / cuMemAllocAsync
+    pub memory_pools: bool,
+    /// unified virtual addressing
+    pub unified_addressing: bool,
+    /// ordinals of the other devices this one can access directly
+    pub peer_access: Vec<usize>,
+    /// CUDA driver version, e.g. 13000
+    pub driver_version: i32,
+}
+
+/// True where a CUDA driver is loadable, initialises, and sees at least one device.
+pub fn cuda_available() -> bool {
+    device_count() > 0
+}
+
+/// Number of CUDA devices (0 without a driver or without the `cuda` feature).
+pub fn device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        static COUNT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *COUNT.get_or_init(super::cuda::query::count)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
+/// Every CUDA device's capabilities (empty without a GPU).
+pub fn devices() -> crate::Result<Vec<DeviceInfo>> {
+    #[cfg(feature = "cuda")]
+    {
+        (0..device_count()).map(super::cuda::query::info).collect()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Ok(Vec::new())
+    }
+}
