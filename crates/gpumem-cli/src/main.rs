@@ -156,15 +156,24 @@ struct InfoOut {
     backend: &'static str,
     devices: Vec<DeviceInfo>,
     host_memory: gpumem::resource::MemInfo,
-    config: Config,
+    /// every configuration key with its value in force, in the configuration string's units
+    config: serde_json::Map<String, serde_json::Value>,
+    /// the same as one configuration string (it parses back to the same configuration)
+    config_string: String,
 }
 
 fn info(json: bool) -> Result<(), String> {
     let devices = gpumem::device::devices().map_err(|e| e.to_string())?;
+    let config = Config::from_env().map_err(|e| e.to_string())?;
     let out = InfoOut {
         backend: if devices.is_empty() { "host" } else { "cuda" },
         host_memory: gpumem::resource::host::host_mem_info(),
-        config: Config::from_env().map_err(|e| e.to_string())?,
+        config: config
+            .entries()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::String(v)))
+            .collect(),
+        config_string: config.to_string(),
         devices,
     };
     if json {
@@ -225,10 +234,20 @@ fn info(json: bool) -> Result<(), String> {
             }
         );
     }
+    let set = std::env::var(gpumem::config::ENV_VAR).is_ok();
     println!(
-        "configuration (GPUMEM_CONF): {}",
-        serde_json::to_string(&out.config).unwrap_or_default()
+        "configuration ({}; `*` marks values that differ from the default):",
+        if set {
+            "from GPUMEM_CONF"
+        } else {
+            "GPUMEM_CONF unset: the defaults"
+        }
     );
+    for k in gpumem::config::keys::KEYS {
+        let v = k.show(&config);
+        let mark = if v == k.default_value() { ' ' } else { '*' };
+        println!("  {mark} {}:{v}", k.name);
+    }
     Ok(())
 }
 

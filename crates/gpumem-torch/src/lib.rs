@@ -76,8 +76,8 @@ fn log_once(kind: &'static str, msg: impl FnOnce() -> String) {
 /// device too).
 fn config() -> gpumem::Result<Config> {
     let mut c = Config::from_env()?;
-    if c.memory_fraction.is_none() && c.memory_limit.is_none() {
-        c.memory_fraction = Some(1.0);
+    if c.budget.memory_fraction.is_none() && c.budget.memory_limit.is_none() {
+        c.budget.memory_fraction = Some(1.0);
     }
     let explicit = std::env::var(gpumem::config::ENV_VAR).is_ok_and(|s| s.contains("shards"));
     if !explicit {

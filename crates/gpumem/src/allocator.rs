@@ -383,11 +383,11 @@ impl CachingAllocator {
 
 /// The byte budget a configuration asks for, if any.
 fn budget(backend: &dyn Backend, config: &Config) -> Result<Option<u64>> {
-    let from_fraction = match config.memory_fraction {
+    let from_fraction = match config.budget.memory_fraction {
         Some(f) => Some((backend.mem_info()?.total as f64 * f) as u64),
         None => None,
     };
-    Ok(match (from_fraction, config.memory_limit) {
+    Ok(match (from_fraction, config.budget.memory_limit) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     })

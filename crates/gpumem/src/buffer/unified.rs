@@ -185,11 +185,11 @@ impl UnifiedMemory {
                     res = res.allow_oversubscription();
                 }
                 let res = Arc::new(res);
-                let config = crate::Config {
-                    expandable_segments: false,
+                let mut config = crate::Config {
                     shards: Some(1),
                     ..crate::Config::default()
                 };
+                config.pool.expandable_segments = false;
                 Some(Managed {
                     ops: res.clone(),
                     pool: CachingAllocator::new(res, config)?,

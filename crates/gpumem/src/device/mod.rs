@@ -147,10 +147,11 @@ crate::resource::forward_stream_ops!(Device, |s| s.inner.allocator);
 pub fn cuda_backend(ordinal: usize, config: &Config) -> Result<Arc<dyn Backend>> {
     use crate::config::BackendKind;
     use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
-    Ok(match config.backend {
+    Ok(match config.backend.kind {
         BackendKind::Native => Arc::new(CudaDevice::new(ordinal)?),
-        BackendKind::CudaMallocAsync => {
-            Arc::new(CudaAsyncPool::new(ordinal, config.release_threshold)?)
-        }
+        BackendKind::CudaMallocAsync => Arc::new(CudaAsyncPool::new(
+            ordinal,
+            config.backend.release_threshold,
+        )?),
     })
 }

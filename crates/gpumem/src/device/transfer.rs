@@ -74,9 +74,9 @@ impl StagingConfig {
     pub fn from_config(c: &crate::Config) -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Self {
-            chunk_bytes: c.staging_chunk as usize,
-            threads: c.staging_threads.unwrap_or(cores.clamp(1, 16)),
-            min_staged_bytes: c.staging_min as usize,
+            chunk_bytes: c.staging.chunk_bytes as usize,
+            threads: c.staging.threads.unwrap_or(cores.clamp(1, 16)),
+            min_staged_bytes: c.staging.min_bytes as usize,
         }
     }
 }

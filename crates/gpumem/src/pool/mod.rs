@@ -240,18 +240,18 @@ impl CachingPool {
             .unwrap_or(u64::MAX);
         let page = backend
             .vmm_page_size()
-            .filter(|&p| config.expandable_segments && p % MIN_BLOCK == 0);
+            .filter(|&p| config.pool.expandable_segments && p % MIN_BLOCK == 0);
         Self {
             backend,
             policy: Policy {
-                max_split: config.max_split_size.unwrap_or(u64::MAX),
-                divisions: config.roundup_power2_divisions.clone(),
-                gc_threshold: config.garbage_collection_threshold,
-                quick_cap: config.quick_cache,
-                cross_stream: config.cross_stream_reuse,
+                max_split: config.pool.max_split_size.unwrap_or(u64::MAX),
+                divisions: config.pool.roundup_power2_divisions.clone(),
+                gc_threshold: config.pool.garbage_collection_threshold,
+                quick_cap: config.pool.quick_cache,
+                cross_stream: config.pool.cross_stream_reuse,
                 page,
-                slack: config.expandable_slack,
-                move_budget: config.expandable_move_budget,
+                slack: config.pool.expandable_slack,
+                move_budget: config.pool.expandable_move_budget,
             },
             shared,
             capacity,
@@ -262,7 +262,7 @@ impl CachingPool {
             segment_index: BTreeMap::new(),
             free: Vec::new(),
             live: FxHashMap::default(),
-            quick: Vec::with_capacity(config.quick_cache),
+            quick: Vec::with_capacity(config.pool.quick_cache),
             quick_score: 0,
             quick_probe: 0,
             pending: Vec::new(),

@@ -200,7 +200,7 @@ fn run(
     config.shards = Some(1);
     // a replay has no kernels, hence no clock to hold page moves against: it shows where
     // moving pages takes the memory (see `expandable_move_budget`)
-    config.expandable_move_budget = 0.0;
+    config.pool.expandable_move_budget = 0.0;
     let backend_name = backend.name().to_string();
     let alloc = CachingAllocator::new(backend, config)?;
     let mut live: FxHashMap<u64, Allocation> = FxHashMap::default();
