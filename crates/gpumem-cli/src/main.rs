@@ -582,10 +582,9 @@ fn replay_on_device(
     let mut streams = std::collections::HashMap::new();
     for e in events {
         if e.stream != 0 && !streams.contains_key(&e.stream) {
-            let s = ctx.new_stream().map_err(|err| gpumem::Error::Cuda {
-                call: "cuStreamCreate",
-                message: format!("{err:?}"),
-            })?;
+            let s = ctx
+                .new_stream()
+                .map_err(|err| gpumem::resource::cuda::cuda_err("cuStreamCreate", err))?;
             streams.insert(e.stream, s);
         }
     }

@@ -326,7 +326,7 @@ impl CachingAllocator {
     /// (`memory_fraction` or `memory_limit_mb`; `memory_fraction:1` for none yet).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
         if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidArgument(format!(
                 "memory fraction {fraction}: must be in (0, 1]"
             )));
         }

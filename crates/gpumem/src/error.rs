@@ -153,14 +153,23 @@ pub enum Error {
     /// A malformed or inconsistent allocation trace.
     #[error("trace: {0}")]
     Trace(String),
-    /// A CUDA driver call failed.
-    #[error("CUDA error in {call}: {message}")]
+    /// A CUDA driver (or CUPTI) call failed.
+    #[error("CUDA error in {call}: {name} (code {code})")]
     Cuda {
-        /// the driver entry point
+        /// the entry point that failed
         call: &'static str,
-        /// the driver's message
-        message: String,
+        /// the result code it returned (`CUresult`, or `CUptiResult` for CUPTI calls)
+        code: i32,
+        /// the code's name, e.g. `CUDA_ERROR_INVALID_VALUE`
+        name: String,
     },
+    /// An argument the callee cannot take (a size other than the allocation's, a range that
+    /// is not page-aligned, a fraction out of range).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A call that is not valid in the current state (a page mapped twice, a second counter).
+    #[error("invalid state: {0}")]
+    InvalidState(String),
 }
 
 impl Error {

@@ -90,7 +90,7 @@ impl Resource for HostResource {
                 unsafe { std::alloc::dealloc(raw.base, raw.layout) };
                 Ok(())
             }
-            Some(_) => Err(Error::Config(format!(
+            Some(_) => Err(Error::InvalidArgument(format!(
                 "host deallocate of {ptr:#x} with a size ({bytes}) other than it was allocated with"
             ))),
             None => Err(Error::UnknownPointer { ptr }),

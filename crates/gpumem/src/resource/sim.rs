@@ -164,7 +164,7 @@ impl Resource for SimulatedDevice {
                 s.frees += 1;
                 Ok(())
             }
-            Some(size) => Err(Error::Config(format!(
+            Some(size) => Err(Error::InvalidArgument(format!(
                 "simulated deallocate of {ptr:#x} with {bytes} bytes, allocated with {size}"
             ))),
             None => Err(Error::UnknownPointer { ptr }),
@@ -196,7 +196,7 @@ impl Resource for SimulatedDevice {
             return Err(self.no_vmm());
         }
         if bytes == 0 || bytes % SIM_GRANULARITY != 0 {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidArgument(format!(
                 "simulated reserve_address of {bytes} bytes: not a positive multiple of the page"
             )));
         }
@@ -214,7 +214,7 @@ impl Resource for SimulatedDevice {
             _ => return Err(Error::UnknownPointer { ptr: addr }),
         }
         if let Some(page) = s.mapped.iter().find(|&&p| p >= addr && p < addr + bytes) {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidArgument(format!(
                 "simulated release_address of {addr:#x}: page {page:#x} still mapped"
             )));
         }
@@ -259,7 +259,7 @@ impl Resource for SimulatedDevice {
 /// (`mapped`) or all unmapped.
 fn check_pages(s: &SimState, addr: DevPtr, bytes: u64, mapped: bool) -> Result<()> {
     let bad = |why: &str| {
-        Err(Error::Config(format!(
+        Err(Error::InvalidArgument(format!(
             "simulated {} of {addr:#x}+{bytes}: {why}",
             if mapped { "unmap" } else { "map" }
         )))

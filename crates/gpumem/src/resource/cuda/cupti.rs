@@ -57,7 +57,8 @@ mod imp {
         } else {
             Err(Error::Cuda {
                 call,
-                message: format!("{r:?}"),
+                code: r as i32,
+                name: format!("{r:?}"),
             })
         }
     }
@@ -123,7 +124,7 @@ mod imp {
 
     pub(super) fn start(ordinal: usize) -> Result<()> {
         if ACTIVE.swap(true, Ordering::AcqRel) {
-            return Err(Error::Config(
+            return Err(Error::InvalidState(
                 "a unified-memory counter is already running in this process".into(),
             ));
         }

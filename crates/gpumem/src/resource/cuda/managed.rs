@@ -32,7 +32,7 @@ impl CudaManaged {
     /// The guard's fraction of free device memory (default 0.8), in (0, 1].
     pub fn with_guard(mut self, fraction: f64) -> Result<Self> {
         if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidArgument(format!(
                 "managed guard fraction {fraction} must be in (0, 1]"
             )));
         }

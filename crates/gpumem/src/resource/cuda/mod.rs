@@ -21,10 +21,12 @@ pub use device::CudaDevice;
 pub use managed::CudaManaged;
 pub use pinned::CudaPinnedHost;
 
-pub(crate) fn cuda_err(call: &'static str, e: DriverError) -> Error {
+/// The error of driver call `call` that returned `e`: the call, the code and its name.
+pub fn cuda_err(call: &'static str, e: DriverError) -> Error {
     Error::Cuda {
         call,
-        message: format!("{e:?}"),
+        code: e.0 as i32,
+        name: format!("{:?}", e.0),
     }
 }
 

@@ -52,7 +52,7 @@ impl Resource for CudaPinnedHost {
             Some(b) if b == bytes => {}
             Some(b) => {
                 self.live.lock().insert(ptr, b);
-                return Err(Error::Config(format!(
+                return Err(Error::InvalidArgument(format!(
                     "pinned deallocate of {ptr:#x} with a size ({bytes}) other than it was allocated with ({b})"
                 )));
             }
