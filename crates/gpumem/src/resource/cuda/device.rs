@@ -197,7 +197,9 @@ impl Resource for CudaDevice {
         let mut failed = None;
         while p < addr + bytes {
             if self.handles.lock().contains_key(&p) {
-                failed = Some(Error::InvalidState(format!("page {p:#x} is already mapped")));
+                failed = Some(Error::InvalidState(format!(
+                    "page {p:#x} is already mapped"
+                )));
                 break;
             }
             let mut h: sys::CUmemGenericAllocationHandle = 0;

@@ -1,12 +1,15 @@
 //! `gpumem bench alloc`: allocation latency of gpumem's cached pool against the driver's
 //! allocators on a GPU, or against the system allocator on the host backend.
 
+#[cfg(feature = "cuda")]
+use crate::output::device_name;
+use crate::output::{config_from, emit, mean, median, Result};
 use gpumem::workload::RandomLive;
-use gpumem::{Allocation, CachingAllocator, Config, Device, Resource, Stream};
+use gpumem::{Allocation, CachingAllocator, Config, Device, Stream};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::alloc::Layout;
-use std::sync::{Arc, Barrier};
+use std::sync::Barrier;
 use std::time::Instant;
 
 /// One measured row.
@@ -62,11 +65,13 @@ impl Api for Gpumem {
 }
 
 /// A raw resource with no caching (cuMemAlloc, cuMemAllocAsync).
+#[cfg(feature = "cuda")]
 pub struct Raw {
-    pub resource: Arc<dyn Resource>,
+    pub resource: std::sync::Arc<dyn gpumem::Resource>,
     pub slow: bool,
 }
 
+#[cfg(feature = "cuda")]
 impl Api for Raw {
     type Handle = (u64, usize);
     fn name(&self) -> String {
@@ -120,15 +125,6 @@ impl Api for System {
 fn fail(e: &gpumem::Error) -> ! {
     eprintln!("gpumem bench: allocation failed: {e}");
     std::process::exit(1)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len() as f64
 }
 
 /// Plan of one run, for the progress bar.
@@ -300,4 +296,98 @@ pub fn units<A: Api>(api: &A, plan: &Plan) -> u64 {
 /// gpumem over the host backend with the bench's configuration.
 pub fn host_gpumem(config: Config) -> gpumem::Result<Gpumem> {
     Ok(Gpumem(Device::host(config)?.allocator().clone()))
+}
+
+#[derive(Serialize)]
+struct BenchOut {
+    pub device: String,
+    rows: Vec<Row>,
+}
+
+pub struct AllocArgs {
+    pub json: bool,
+    pub plan: Plan,
+    pub device: usize,
+    pub host: bool,
+    pub conf: Option<String>,
+}
+
+pub fn run(a: AllocArgs) -> Result<()> {
+    let config = config_from(a.conf.as_deref())?;
+    let gpu = !a.host && gpumem::device::cuda_available();
+    let (device, rows) = if gpu {
+        bench_gpu(&a, config)?
+    } else {
+        let g = host_gpumem(config)?;
+        let total = units(&g, &a.plan) + units(&System, &a.plan);
+        let pb = progress(total, a.json);
+        let mut rows = run_all(&g, &a.plan, &pb);
+        rows.extend(run_all(&System, &a.plan, &pb));
+        pb.finish_and_clear();
+        ("host (no GPU)".to_string(), rows)
+    };
+    emit(a.json, &BenchOut { device, rows }, print)
+}
+
+/// The table, and each allocator's thread speedup.
+fn print(out: &BenchOut) {
+    let (device, rows) = (&out.device, &out.rows);
+    println!("allocation latency on {device} (one op = one alloc + one free)");
+    println!(
+        "{:<18} {:<32} {:>7} {:>14} {:>12}",
+        "allocator", "scenario", "threads", "median ns/op", "mean ns/op"
+    );
+    for r in rows {
+        println!(
+            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1}",
+            r.allocator, r.scenario, r.threads, r.ns_per_op, r.mean_ns_per_op
+        );
+    }
+    let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
+    names.dedup();
+    for alloc in names {
+        let one = rows
+            .iter()
+            .find(|r| r.allocator == alloc && r.scenario == "random_256_live");
+        let many = rows.iter().find(|r| r.allocator == alloc && r.threads > 1);
+        if let (Some(one), Some(many)) = (one, many) {
+            println!(
+                "{alloc}: {} threads give {:.1}x the single-thread throughput ({:.1} vs {:.1} ns/op, wall time / ops)",
+                many.threads,
+                one.mean_ns_per_op / many.mean_ns_per_op,
+                many.mean_ns_per_op,
+                one.mean_ns_per_op
+            );
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
+    use gpumem::resource::cuda::{CudaAsyncPool, CudaDevice};
+    use std::sync::Arc;
+    let name = device_name(a.device)?;
+    let g = Gpumem(gpumem::Device::cuda(a.device, config)?.allocator().clone());
+    let raw = Raw {
+        resource: Arc::new(CudaDevice::new(a.device)?),
+        slow: true,
+    };
+    let pool = Raw {
+        resource: Arc::new(CudaAsyncPool::new(a.device, u64::MAX)?),
+        slow: false,
+    };
+    let total = units(&g, &a.plan) + units(&raw, &a.plan) + units(&pool, &a.plan);
+    let pb = progress(total, a.json);
+    let mut rows = run_all(&g, &a.plan, &pb);
+    drop(g); // give its cached segments back before the others run
+    rows.extend(run_all(&pool, &a.plan, &pb));
+    drop(pool);
+    rows.extend(run_all(&raw, &a.plan, &pb));
+    pb.finish_and_clear();
+    Ok((name, rows))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_gpu(a: &AllocArgs, _: Config) -> Result<(String, Vec<Row>)> {
+    Err(format!("device {}: built without the cuda feature", a.device).into())
 }

@@ -2,6 +2,9 @@
 //! (pageable raw, pageable staged, pinned, device↔device, managed prefetch), and the cost of
 //! getting pinned memory (raw vs the pinned pool).
 
+#[cfg(feature = "cuda")]
+use crate::output::device_name;
+use crate::output::{config_from, emit, median, CliError, Result};
 use gpumem::resource::{CopyKind, StreamOps};
 use gpumem::units::size_label as human;
 use gpumem::{
@@ -38,19 +41,8 @@ pub struct Out {
     pub staging: String,
 }
 
-type Res<T> = Result<T, String>;
-
-fn e(err: gpumem::Error) -> String {
-    err.to_string()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Time `f` (one untimed warm-up, then enough repetitions for ~0.25 s of copying).
-fn time(bytes: usize, mut f: impl FnMut() -> Res<()>) -> Res<f64> {
+fn time(bytes: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let reps = ((256usize << 20) / bytes.max(1)).clamp(3, 200);
     let mut t = Vec::with_capacity(reps);
@@ -73,20 +65,20 @@ fn row(path: &str, direction: &str, bytes: usize, seconds: f64) -> Row {
 }
 
 /// Every path at every size, on `alloc`'s device.
-pub fn run(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Res<Out> {
+pub fn measure(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Result<Out> {
     let max = sizes.iter().copied().max().unwrap_or(0);
-    let stream = alloc.create_stream().map_err(e)?;
-    let pool = alloc.pinned_pool().map_err(e)?;
-    let engine = alloc.transfer_engine().map_err(e)?;
+    let stream = alloc.create_stream()?;
+    let pool = alloc.pinned_pool()?;
+    let engine = alloc.transfer_engine()?;
     let cfg = engine.config();
     let mut rows = Vec::new();
     // pageable memory the way users have it: an initialised Vec
     let src: Vec<u8> = (0..max).map(|i| (i % 253) as u8).collect();
     let mut dst = vec![0u8; max];
-    let mut d1 = DeviceBuffer::<u8>::zeroed(alloc, stream, max).map_err(e)?;
-    let mut d2 = DeviceBuffer::<u8>::zeroed(alloc, stream, max).map_err(e)?;
-    let p1 = PinnedBuffer::from_slice(pool, &src).map_err(e)?;
-    let mut p2 = PinnedBuffer::<u8>::zeroed(pool, max).map_err(e)?;
+    let mut d1 = DeviceBuffer::<u8>::zeroed(alloc, stream, max)?;
+    let mut d2 = DeviceBuffer::<u8>::zeroed(alloc, stream, max)?;
+    let p1 = PinnedBuffer::from_slice(pool, &src)?;
+    let mut p2 = PinnedBuffer::<u8>::zeroed(pool, max)?;
     for &n in sizes {
         if !quiet {
             eprintln!("  {} ...", human(n as u64));
@@ -96,18 +88,14 @@ pub fn run(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Res<
             ("pageable staged", Transfer::Staged),
         ] {
             let t = time(n, || {
-                d1.slice_mut(..n)
-                    .map_err(e)?
-                    .copy_from_host_with(&src[..n], how)
-                    .map_err(e)?;
-                d1.synchronize().map_err(e)
+                d1.slice_mut(..n)?.copy_from_host_with(&src[..n], how)?;
+                d1.synchronize().map_err(CliError::from)
             })?;
             rows.push(row(name, "h2d", n, t));
             let t = time(n, || {
-                d1.slice(..n)
-                    .map_err(e)?
+                d1.slice(..n)?
                     .copy_to_host_with(&mut dst[..n], how)
-                    .map_err(e)
+                    .map_err(CliError::from)
             })?;
             rows.push(row(name, "d2h", n, t));
         }
@@ -130,34 +118,31 @@ pub fn run(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Res<
             let t = time(n, || {
                 // SAFETY: both ranges are live blocks of at least `n` bytes (buffers of `max`),
                 // not otherwise used until the stream is synchronised below.
-                unsafe { alloc.copy(dst_ptr, src_ptr, n, kind, stream) }.map_err(e)?;
-                alloc.synchronize(stream).map_err(e)
+                unsafe { alloc.copy(dst_ptr, src_ptr, n, kind, stream) }?;
+                alloc.synchronize(stream).map_err(CliError::from)
             })?;
             rows.push(row("cuMemcpyAsync (raw)", dir, n, t));
         }
         let t = time(n, || {
-            d1.copy_range_from_pinned(0, &p1, 0..n).map_err(e)?;
-            d1.synchronize().map_err(e)
+            d1.copy_range_from_pinned(0, &p1, 0..n)?;
+            d1.synchronize().map_err(CliError::from)
         })?;
         rows.push(row("pinned", "h2d", n, t));
         let t = time(n, || {
-            d1.copy_range_to_pinned(0..n, &mut p2, 0).map_err(e)?;
-            p2.synchronize().map_err(e)
+            d1.copy_range_to_pinned(0..n, &mut p2, 0)?;
+            p2.synchronize().map_err(CliError::from)
         })?;
         rows.push(row("pinned", "d2h", n, t));
         // ordinary memory page-locked for each copy (cuMemHostRegister + copy + unregister)
         let t = time(n, || {
-            let reg = PinnedRegistration::new(pool, &mut dst[..n]).map_err(e)?;
-            d2.copy_range_from_pinned(0, &reg, 0..n).map_err(e)?;
-            reg.synchronize().map_err(e)
+            let reg = PinnedRegistration::new(pool, &mut dst[..n])?;
+            d2.copy_range_from_pinned(0, &reg, 0..n)?;
+            reg.synchronize().map_err(CliError::from)
         })?;
         rows.push(row("pageable registered", "h2d", n, t));
         let t = time(n, || {
-            d2.slice_mut(..n)
-                .map_err(e)?
-                .copy_from_device(&d1.slice(..n).map_err(e)?)
-                .map_err(e)?;
-            d2.synchronize().map_err(e)
+            d2.slice_mut(..n)?.copy_from_device(&d1.slice(..n)?)?;
+            d2.synchronize().map_err(CliError::from)
         })?;
         rows.push(row("device", "d2d", n, t));
         #[cfg(feature = "cuda")]
@@ -170,7 +155,7 @@ pub fn run(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Res<
     if dst[..last] != src[..last] {
         return Err("staged/raw device→host data differs from the source".into());
     }
-    if p2.as_slice().map_err(e)?[..last] != src[..last] {
+    if p2.as_slice()?[..last] != src[..last] {
         return Err("pinned device→host data differs from the source".into());
     }
     drop((d1, d2, p1, p2));
@@ -191,19 +176,19 @@ pub fn run(alloc: &Device, device: String, sizes: &[usize], quiet: bool) -> Res<
 /// Managed memory prefetched each way (the reference the unified-memory work is measured
 /// against). Skipped where the device has too little free memory for a safe allocation.
 #[cfg(feature = "cuda")]
-fn managed_rows(alloc: &Device, n: usize, stream: Stream) -> Res<Option<Vec<Row>>> {
+fn managed_rows(alloc: &Device, n: usize, stream: Stream) -> Result<Option<Vec<Row>>> {
     use gpumem::resource::cuda::CudaManaged;
     use gpumem::resource::Resource;
     let gpumem::Location::Cuda(ordinal) = alloc.backend().location() else {
         return Ok(None);
     };
-    let m = CudaManaged::new(ordinal).map_err(e)?;
+    let m = CudaManaged::new(ordinal)?;
     // the resource's guard refuses anything past 0.8 x free memory; stay far below it
-    let free = m.mem_info().map_err(e)?.free;
+    let free = m.mem_info()?.free;
     if (n as u64) * 4 > free {
         return Ok(None);
     }
-    let p = m.allocate(stream, n, 4096).map_err(e)?;
+    let p = m.allocate(stream, n, 4096)?;
     // SAFETY: `p` is a fresh managed block of `n` bytes, host-accessible (concurrent managed
     // access is not needed: no kernel runs on it).
     unsafe { std::ptr::write_bytes(p as *mut u8, 7, n) };
@@ -213,24 +198,24 @@ fn managed_rows(alloc: &Device, n: usize, stream: Stream) -> Res<Option<Vec<Row>
     for _ in 0..((256usize << 20) / n).clamp(3, 50) {
         let s = Instant::now();
         // SAFETY: the range is the managed block from `m`.
-        unsafe { m.prefetch_to_device(p, n, stream) }.map_err(e)?;
-        m.synchronize(stream).map_err(e)?;
+        unsafe { m.prefetch_to_device(p, n, stream) }?;
+        m.synchronize(stream)?;
         h2d.push(s.elapsed().as_secs_f64());
         let s = Instant::now();
         // SAFETY: as above.
-        unsafe { m.prefetch_to_host(p, n, stream) }.map_err(e)?;
-        m.synchronize(stream).map_err(e)?;
+        unsafe { m.prefetch_to_host(p, n, stream) }?;
+        m.synchronize(stream)?;
         d2h.push(s.elapsed().as_secs_f64());
     }
     rows.push(row("managed prefetch", "h2d", n, median(h2d)));
     rows.push(row("managed prefetch", "d2h", n, median(d2h)));
-    m.deallocate(p, n, stream).map_err(e)?;
+    m.deallocate(p, n, stream)?;
     Ok(Some(rows))
 }
 
 /// Pinned alloc+free: the raw resource against the pool's cache.
-fn pinned_alloc_rows(alloc: &Device) -> Res<Vec<AllocRow>> {
-    let pool = alloc.pinned_pool().map_err(e)?;
+fn pinned_alloc_rows(alloc: &Device) -> Result<Vec<AllocRow>> {
+    let pool = alloc.pinned_pool()?;
     let raw = pool.backend().clone();
     let mut out = Vec::new();
     for bytes in [1usize << 20, 64 << 20] {
@@ -238,8 +223,8 @@ fn pinned_alloc_rows(alloc: &Device) -> Res<Vec<AllocRow>> {
         let mut t = Vec::new();
         for _ in 0..reps {
             let s = Instant::now();
-            let p = raw.allocate(Stream::DEFAULT, bytes, 4096).map_err(e)?;
-            raw.deallocate(p, bytes, Stream::DEFAULT).map_err(e)?;
+            let p = raw.allocate(Stream::DEFAULT, bytes, 4096)?;
+            raw.deallocate(p, bytes, Stream::DEFAULT)?;
             t.push(s.elapsed().as_secs_f64());
         }
         out.push(AllocRow {
@@ -247,13 +232,13 @@ fn pinned_alloc_rows(alloc: &Device) -> Res<Vec<AllocRow>> {
             bytes: bytes as u64,
             us_per_pair: median(t) * 1e6,
         });
-        let b = pool.allocate(bytes).map_err(e)?;
-        pool.free(b, vec![]).map_err(e)?;
+        let b = pool.allocate(bytes)?;
+        pool.free(b, vec![])?;
         let pairs = 100_000;
         let s = Instant::now();
         for _ in 0..pairs {
-            let b = pool.allocate(bytes).map_err(e)?;
-            pool.free(b, vec![]).map_err(e)?;
+            let b = pool.allocate(bytes)?;
+            pool.free(b, vec![])?;
         }
         out.push(AllocRow {
             allocator: "gpumem pinned pool (cached)".into(),
@@ -337,51 +322,43 @@ pub fn print(out: &Out) {
 /// peer access granted) against a bare cuMemcpyPeerAsync between cuMemAlloc blocks, with
 /// peer access enabled both ways.
 #[cfg(feature = "cuda")]
-pub fn peer(max_mib: usize) -> Res<Out> {
+pub fn measure_peer(max_mib: usize) -> Result<Out> {
+    use crate::output::msg;
     use gpumem::resource::cuda::{primary_context, CudaDevice};
     use gpumem::resource::Resource;
     let set = gpumem::DeviceSet::new(gpumem::Config::default());
-    set.enable_peer_access(0, 1).map_err(e)?;
-    set.enable_peer_access(1, 0).map_err(e)?;
+    set.enable_peer_access(0, 1)?;
+    set.enable_peer_access(1, 0)?;
     let sizes: Vec<usize> = [1usize << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
         .into_iter()
         .filter(|&s| s <= (max_mib << 20).max(1 << 20))
         .collect();
     let max = *sizes.last().unwrap_or(&(1 << 20));
-    let ctx = [
-        primary_context(0).map_err(e)?,
-        primary_context(1).map_err(e)?,
-    ];
+    let ctx = [primary_context(0)?, primary_context(1)?];
     let st = [
-        ctx[0].new_stream().map_err(|x| format!("{x:?}"))?,
-        ctx[1].new_stream().map_err(|x| format!("{x:?}"))?,
+        ctx[0].new_stream().map_err(msg)?,
+        ctx[1].new_stream().map_err(msg)?,
     ];
     let s = [Stream::from(&*st[0]), Stream::from(&*st[1])];
-    let a = [set.device(0).map_err(e)?, set.device(1).map_err(e)?];
-    let mut b0 = DeviceBuffer::<u8>::zeroed(a[0], s[0], max).map_err(e)?;
-    let mut b1 = DeviceBuffer::<u8>::zeroed(a[1], s[1], max).map_err(e)?;
+    let a = [set.device(0)?, set.device(1)?];
+    let mut b0 = DeviceBuffer::<u8>::zeroed(a[0], s[0], max)?;
+    let mut b1 = DeviceBuffer::<u8>::zeroed(a[1], s[1], max)?;
     let raw = [
-        CudaDevice::new(0).map_err(e)?.without_vmm(),
-        CudaDevice::new(1).map_err(e)?.without_vmm(),
+        CudaDevice::new(0)?.without_vmm(),
+        CudaDevice::new(1)?.without_vmm(),
     ];
-    let r0 = raw[0].allocate(s[0], max, 256).map_err(e)?;
-    let r1 = raw[1].allocate(s[1], max, 256).map_err(e)?;
+    let r0 = raw[0].allocate(s[0], max, 256)?;
+    let r1 = raw[1].allocate(s[1], max, 256)?;
     let mut rows = Vec::new();
     for &n in &sizes {
         let t = time(n, || {
-            b1.slice_mut(..n)
-                .map_err(e)?
-                .copy_from_device(&b0.slice(..n).map_err(e)?)
-                .map_err(e)?;
-            b1.synchronize().map_err(e)
+            b1.slice_mut(..n)?.copy_from_device(&b0.slice(..n)?)?;
+            b1.synchronize().map_err(CliError::from)
         })?;
         rows.push(row("gpumem peer", "0->1", n, t));
         let t = time(n, || {
-            b0.slice_mut(..n)
-                .map_err(e)?
-                .copy_from_device(&b1.slice(..n).map_err(e)?)
-                .map_err(e)?;
-            b0.synchronize().map_err(e)
+            b0.slice_mut(..n)?.copy_from_device(&b1.slice(..n)?)?;
+            b0.synchronize().map_err(CliError::from)
         })?;
         rows.push(row("gpumem peer", "1->0", n, t));
         for (dir, dst, src, i) in [("0->1", r1, r0, 1usize), ("1->0", r0, r1, 0usize)] {
@@ -399,17 +376,16 @@ pub fn peer(max_mib: usize) -> Res<Out> {
                     )
                 };
                 if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-                    return Err(format!("cuMemcpyPeerAsync: {r:?}"));
+                    return Err(format!("cuMemcpyPeerAsync: {r:?}").into());
                 }
-                raw[i].synchronize(s[i]).map_err(e)
+                raw[i].synchronize(s[i]).map_err(CliError::from)
             })?;
             rows.push(row("raw cuMemcpyPeerAsync", dir, n, t));
         }
     }
-    raw[0].deallocate(r0, max, s[0]).map_err(e)?;
-    raw[1].deallocate(r1, max, s[1]).map_err(e)?;
-    let names: Vec<String> = gpumem::device::devices()
-        .map_err(e)?
+    raw[0].deallocate(r0, max, s[0])?;
+    raw[1].deallocate(r1, max, s[1])?;
+    let names: Vec<String> = gpumem::device::devices()?
         .into_iter()
         .take(2)
         .map(|d| d.name)
@@ -420,4 +396,60 @@ pub fn peer(max_mib: usize) -> Res<Out> {
         pinned_alloc: Vec::new(),
         staging: "peer access enabled both ways".into(),
     })
+}
+
+pub fn run(
+    json: bool,
+    max_mib: usize,
+    device: usize,
+    host: bool,
+    conf: Option<String>,
+) -> Result<()> {
+    let config = config_from(conf.as_deref())?;
+    let sizes: Vec<usize> = [
+        64usize << 10,
+        1 << 20,
+        16 << 20,
+        64 << 20,
+        256 << 20,
+        1 << 30,
+    ]
+    .into_iter()
+    .filter(|&s| s <= (max_mib << 20).max(64 << 10))
+    .collect();
+    let gpu = !host && gpumem::device::cuda_available();
+    let (alloc, name) = if gpu {
+        #[cfg(feature = "cuda")]
+        {
+            let name = device_name(device)?;
+            (gpumem::Device::cuda(device, config)?, name)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = device;
+            return Err("built without the cuda feature".into());
+        }
+    } else {
+        (
+            gpumem::Device::host(config)?,
+            "host (no GPU: copies are memcpy)".to_string(),
+        )
+    };
+    let out = measure(&alloc, name, &sizes, json)?;
+    emit(json, &out, print)
+}
+
+#[cfg(feature = "cuda")]
+pub fn run_peer(json: bool, max_mib: usize) -> Result<()> {
+    let n = gpumem::device::device_count();
+    if n < 2 {
+        return Err(format!("bench transfer --peer needs two CUDA GPUs (found {n})").into());
+    }
+    let out = measure_peer(max_mib)?;
+    emit(json, &out, print)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn run_peer(_: bool, _: usize) -> Result<()> {
+    Err("built without the cuda feature".into())
 }

@@ -2,6 +2,7 @@
 //! memory, and how fast data moves each way: raw managed memory, gpumem's managed and mirrored
 //! placements, device memory and pinned memcpy.
 
+use crate::output::{device_name, emit, median, msg, Result};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpumem::buffer::unified::DeviceView;
 use gpumem::profile::{UmCounter, UmCounts};
@@ -48,24 +49,13 @@ pub struct Out {
     pub moves: Vec<MoveRow>,
 }
 
-type Res<T> = Result<T, String>;
-
-fn e<E: std::fmt::Display>(err: E) -> String {
-    err.to_string()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 struct K {
     f: CudaFunction,
     st: Arc<CudaStream>,
 }
 
 impl K {
-    fn launch(&self, y: u64, x: u64, n: usize) -> Res<()> {
+    fn launch(&self, y: u64, x: u64, n: usize) -> Result<()> {
         let (a, nn) = (2.0f32, n as u64);
         let mut l = self.st.launch_builder(&self.f);
         l.arg(&y).arg(&x).arg(&a).arg(&nn);
@@ -75,21 +65,21 @@ impl K {
             shared_mem_bytes: 0,
         };
         // SAFETY: `y` and `x` address at least `n` floats of live memory (callers' buffers).
-        unsafe { l.launch(cfg) }.map_err(e)?;
+        unsafe { l.launch(cfg) }.map_err(msg)?;
         Ok(())
     }
     /// Launch and wait; the kernel's seconds between two timing events around it.
-    fn timed(&self, y: u64, x: u64, n: usize) -> Res<f64> {
+    fn timed(&self, y: u64, x: u64, n: usize) -> Result<f64> {
         let ctx = self.st.context();
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let (a, b) = (
-            ctx.new_event(flags).map_err(e)?,
-            ctx.new_event(flags).map_err(e)?,
+            ctx.new_event(flags).map_err(msg)?,
+            ctx.new_event(flags).map_err(msg)?,
         );
-        a.record(&self.st).map_err(e)?;
+        a.record(&self.st).map_err(msg)?;
         self.launch(y, x, n)?;
-        b.record(&self.st).map_err(e)?;
-        Ok(a.elapsed_ms(&b).map_err(e)? as f64 / 1e3)
+        b.record(&self.st).map_err(msg)?;
+        Ok(a.elapsed_ms(&b).map_err(msg)? as f64 / 1e3)
     }
 }
 
@@ -98,10 +88,13 @@ fn ptrs(x: &DeviceView<'_, f32>, y: &DeviceView<'_, f32>) -> (u64, u64) {
 }
 
 /// Unified-memory counts while `f` runs (None where the counter is not running).
-fn faults<R>(c: Option<&UmCounter>, f: impl FnOnce() -> Res<R>) -> Res<(R, Option<UmCounts>)> {
-    let before = c.map(|c| c.read_settled()).transpose().map_err(e)?;
+fn faults<R>(
+    c: Option<&UmCounter>,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<(R, Option<UmCounts>)> {
+    let before = c.map(|c| c.read_settled()).transpose().map_err(msg)?;
     let r = f()?;
-    let after = c.map(|c| c.read_settled()).transpose().map_err(e)?;
+    let after = c.map(|c| c.read_settled()).transpose().map_err(msg)?;
     Ok((r, before.zip(after).map(|(b, a)| a - b)))
 }
 
@@ -113,26 +106,31 @@ fn add(a: Option<UmCounts>, b: Option<UmCounts>) -> Option<UmCounts> {
     })
 }
 
-pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCounter>) -> Res<Out> {
-    let ctx = gpumem::resource::cuda::primary_context(ordinal).map_err(e)?;
-    let st = ctx.new_stream().map_err(e)?;
+pub fn measure(
+    ordinal: usize,
+    device: String,
+    reps: usize,
+    counter: Option<&UmCounter>,
+) -> Result<Out> {
+    let ctx = gpumem::resource::cuda::primary_context(ordinal).map_err(msg)?;
+    let st = ctx.new_stream().map_err(msg)?;
     let s = Stream::from(&*st);
     let module = ctx
-        .load_module(cudarc::nvrtc::compile_ptx(AXPY).map_err(e)?)
-        .map_err(e)?;
+        .load_module(cudarc::nvrtc::compile_ptx(AXPY).map_err(msg)?)
+        .map_err(msg)?;
     let k = K {
-        f: module.load_function("axpy").map_err(e)?,
+        f: module.load_function("axpy").map_err(msg)?,
         st: st.clone(),
     };
-    let alloc = Device::cuda(ordinal, Config::default()).map_err(e)?;
+    let alloc = Device::cuda(ordinal, Config::default()).map_err(msg)?;
     let n: usize = 64 << 20; // floats: two 256 MiB arrays
     let bytes = n * 4;
     let host_x: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
     let mut kernel = Vec::new();
 
     // device memory: the anchor
-    let x = DeviceBuffer::from_slice(&alloc, s, &host_x).map_err(e)?;
-    let mut y = DeviceBuffer::<f32>::zeroed(&alloc, s, n).map_err(e)?;
+    let x = DeviceBuffer::from_slice(&alloc, s, &host_x).map_err(msg)?;
+    let mut y = DeviceBuffer::<f32>::zeroed(&alloc, s, n).map_err(msg)?;
     let mut scratch = vec![0f32; n];
     k.timed(y.device_ptr(), x.device_ptr(), n)?;
     let mut times = Vec::new();
@@ -140,7 +138,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
     for _ in 0..reps {
         // the same host work and copy-in between kernels as the unified rows below have
         scratch.fill(0.0);
-        y.copy_from_host(&scratch).map_err(e)?;
+        y.copy_from_host(&scratch).map_err(msg)?;
         let (t, f) = faults(counter, || k.timed(y.device_ptr(), x.device_ptr(), n))?;
         times.push(t);
         faulted = add(faulted, f);
@@ -155,9 +153,9 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
     drop((x, y));
 
     // raw managed memory written on the host and left there: the kernel faults
-    let m = CudaManaged::new(ordinal).map_err(e)?;
-    let mx = m.allocate(s, bytes, 4096).map_err(e)?;
-    let my = m.allocate(s, bytes, 4096).map_err(e)?;
+    let m = CudaManaged::new(ordinal).map_err(msg)?;
+    let mx = m.allocate(s, bytes, 4096).map_err(msg)?;
+    let my = m.allocate(s, bytes, 4096).map_err(msg)?;
     let mut raw = Vec::new();
     let mut faulted = Some(UmCounts::default());
     for _ in 0..reps.min(3) {
@@ -185,13 +183,13 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
             unsafe { std::ptr::write_bytes(mx as *mut u8, 1, size) };
             let t = Instant::now();
             // SAFETY: as above.
-            unsafe { m.prefetch_to_device(mx, size, s) }.map_err(e)?;
-            m.synchronize(s).map_err(e)?;
+            unsafe { m.prefetch_to_device(mx, size, s) }.map_err(msg)?;
+            m.synchronize(s).map_err(msg)?;
             h2d.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
             // SAFETY: as above.
-            unsafe { m.prefetch_to_host(mx, size, s) }.map_err(e)?;
-            m.synchronize(s).map_err(e)?;
+            unsafe { m.prefetch_to_host(mx, size, s) }.map_err(msg)?;
+            m.synchronize(s).map_err(msg)?;
             d2h.push(t.elapsed().as_secs_f64());
         }
         moves.push(mv("raw managed prefetch", "h2d", size, median(h2d)));
@@ -200,7 +198,7 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
         let streams: Vec<Arc<CudaStream>> = (0..8)
             .map(|_| ctx.new_stream())
             .collect::<Result<_, _>>()
-            .map_err(e)?;
+            .map_err(msg)?;
         let piece = size / 8;
         let (mut h2d, mut d2h) = (Vec::new(), Vec::new());
         for _ in 0..reps.min(5) {
@@ -218,10 +216,10 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
                             m.prefetch_to_device(p, piece, Stream::from(&**st))
                         }
                     }
-                    .map_err(e)?;
+                    .map_err(msg)?;
                 }
                 for st in &streams {
-                    st.synchronize().map_err(e)?;
+                    st.synchronize().map_err(msg)?;
                 }
                 acc.push(t.elapsed().as_secs_f64());
             }
@@ -229,13 +227,13 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
         moves.push(mv("raw prefetch, 8 streams", "h2d", size, median(h2d)));
         moves.push(mv("raw prefetch, 8 streams", "d2h", size, median(d2h)));
     }
-    m.deallocate(mx, bytes, s).map_err(e)?;
-    m.deallocate(my, bytes, s).map_err(e)?;
+    m.deallocate(mx, bytes, s).map_err(msg)?;
+    m.deallocate(my, bytes, s).map_err(msg)?;
     drop(m);
 
     // gpumem's placements: the kernel after automatic prefetch, and the moves
     for p in [Placement::Managed, Placement::Mirrored] {
-        let um = UnifiedMemory::new(&alloc, p).map_err(e)?;
+        let um = UnifiedMemory::new(&alloc, p).map_err(msg)?;
         let name = format!(
             "gpumem {}",
             if p == Placement::Managed {
@@ -244,17 +242,17 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
                 "mirrored"
             }
         );
-        let mut x = UnifiedBuffer::from_slice(&um, s, &host_x).map_err(e)?;
-        let mut y = UnifiedBuffer::<f32>::zeroed(&um, s, n).map_err(e)?;
+        let mut x = UnifiedBuffer::from_slice(&um, s, &host_x).map_err(msg)?;
+        let mut y = UnifiedBuffer::<f32>::zeroed(&um, s, n).map_err(msg)?;
         let mut times = Vec::new();
         let mut faulted = Some(UmCounts::default());
         for _ in 0..reps {
-            y.host_mut().map_err(e)?.fill(0.0); // host writes: the data must move again
+            y.host_mut().map_err(msg)?.fill(0.0); // host writes: the data must move again
             let (yp, xp) = {
-                let (xv, yv) = (x.device(s).map_err(e)?, y.device_mut(s).map_err(e)?);
+                let (xv, yv) = (x.device(s).map_err(msg)?, y.device_mut(s).map_err(msg)?);
                 ptrs(&xv, &yv)
             };
-            st.synchronize().map_err(e)?; // the prefetch is not the kernel's time
+            st.synchronize().map_err(msg)?; // the prefetch is not the kernel's time
             let (t, f) = faults(counter, || k.timed(yp, xp, n))?;
             times.push(t);
             faulted = add(faulted, f);
@@ -264,27 +262,27 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
             median(times),
             faulted.filter(|_| counter.is_some()),
         ));
-        let check = y.host().map_err(e)?[12345];
+        let check = y.host().map_err(msg)?[12345];
         if check != 2.0 * host_x[12345] {
-            return Err(format!("{name}: axpy result {check} is wrong"));
+            return Err(format!("{name}: axpy result {check} is wrong").into());
         }
         for size in [16usize << 20, 64 << 20, 256 << 20] {
             let len = size / 4;
-            let mut b = UnifiedBuffer::<f32>::zeroed(&um, s, len).map_err(e)?;
+            let mut b = UnifiedBuffer::<f32>::zeroed(&um, s, len).map_err(msg)?;
             let (mut h2d, mut d2h) = (Vec::new(), Vec::new());
             for _ in 0..reps.min(5) {
-                b.host_mut().map_err(e)?.fill(1.0);
+                b.host_mut().map_err(msg)?.fill(1.0);
                 let t = Instant::now();
-                b.prefetch_to_device(s).map_err(e)?;
-                st.synchronize().map_err(e)?;
+                b.prefetch_to_device(s).map_err(msg)?;
+                st.synchronize().map_err(msg)?;
                 h2d.push(t.elapsed().as_secs_f64());
-                b.device_mut(s).map_err(e)?; // as if a kernel wrote it: host copy stale
-                st.synchronize().map_err(e)?;
+                b.device_mut(s).map_err(msg)?; // as if a kernel wrote it: host copy stale
+                st.synchronize().map_err(msg)?;
                 let t = Instant::now();
-                let v = b.host().map_err(e)?[len - 1];
+                let v = b.host().map_err(msg)?[len - 1];
                 d2h.push(t.elapsed().as_secs_f64());
                 if v != 1.0 {
-                    return Err(format!("{name}: moved data is wrong"));
+                    return Err(format!("{name}: moved data is wrong").into());
                 }
             }
             moves.push(mv(&name, "h2d", size, median(h2d)));
@@ -293,21 +291,21 @@ pub fn run(ordinal: usize, device: String, reps: usize, counter: Option<&UmCount
     }
 
     // pinned memcpy: the bandwidth anchor
-    let pool = alloc.pinned_pool().map_err(e)?;
+    let pool = alloc.pinned_pool().map_err(msg)?;
     for size in [16usize << 20, 64 << 20, 256 << 20] {
         let len = size / 4;
-        let mut hp = PinnedBuffer::<f32>::zeroed(pool, len).map_err(e)?;
-        let mut d = DeviceBuffer::<f32>::zeroed(&alloc, s, len).map_err(e)?;
+        let mut hp = PinnedBuffer::<f32>::zeroed(pool, len).map_err(msg)?;
+        let mut d = DeviceBuffer::<f32>::zeroed(&alloc, s, len).map_err(msg)?;
         let (mut h2d, mut d2h) = (Vec::new(), Vec::new());
         for _ in 0..reps.min(5) {
-            hp.as_mut_slice().map_err(e)?.fill(1.0); // freshly written, as the rows above
+            hp.as_mut_slice().map_err(msg)?.fill(1.0); // freshly written, as the rows above
             let t = Instant::now();
-            d.copy_from_pinned(&hp).map_err(e)?;
-            d.synchronize().map_err(e)?;
+            d.copy_from_pinned(&hp).map_err(msg)?;
+            d.synchronize().map_err(msg)?;
             h2d.push(t.elapsed().as_secs_f64());
             let t = Instant::now();
-            d.copy_to_pinned(&mut hp).map_err(e)?;
-            hp.synchronize().map_err(e)?;
+            d.copy_to_pinned(&mut hp).map_err(msg)?;
+            hp.synchronize().map_err(msg)?;
             d2h.push(t.elapsed().as_secs_f64());
         }
         moves.push(mv("pinned memcpy", "h2d", size, median(h2d)));
@@ -386,4 +384,23 @@ pub fn print(out: &Out) {
         }
         println!();
     }
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(json: bool, device: usize, reps: usize) -> Result<()> {
+    if !gpumem::device::cuda_available() {
+        return Err("bench unified needs a CUDA GPU (unified memory is a device feature)".into());
+    }
+    // CUPTI's unified-memory counters: after CUDA is initialised (cuInit), before the
+    // device's context exists
+    let counter = match gpumem::profile::UmCounter::start(device) {
+        Ok(c) => Some(c),
+        Err(err) => {
+            eprintln!("gpumem: no fault counts: {err}");
+            None
+        }
+    };
+    let name = device_name(device)?;
+    let out = measure(device, name, reps, counter.as_ref())?;
+    emit(json, &out, print)
 }

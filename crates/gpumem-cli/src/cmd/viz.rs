@@ -7,6 +7,7 @@
 //!   mapped pages) with its blocks, coloured by use: requested bytes, rounding, free (cached or
 //!   fragmented).
 
+use crate::output::Result;
 use gpumem::pool::SegmentInfo;
 use gpumem::resource::sim::SimulatedDevice;
 use gpumem::trace::{Action, Replay, TraceEvent};
@@ -23,9 +24,9 @@ const BANDS: usize = 160;
 const W: f64 = 1200.0;
 const H: f64 = 420.0;
 
-pub fn write(trace: &Path, output: &Path, conf: &str) -> Result<(), String> {
-    let events = gpumem::trace::read_trace(trace).map_err(|e| e.to_string())?;
-    let config = Config::parse(conf).map_err(|e| e.to_string())?;
+pub fn write(trace: &Path, output: &Path, conf: &str) -> Result<()> {
+    let events = gpumem::trace::read_trace(trace)?;
+    let config = Config::parse(conf)?;
     let name = if conf.is_empty() { "gpumem" } else { conf };
     let make = || Ok(Arc::new(SimulatedDevice::new(1 << 50)) as Arc<dyn Backend>);
     let replay = gpumem::trace::replay_detailed(name, &events, &config, &make, &gpumem::Stream)

@@ -1,0 +1,130 @@
+//! `gpumem replay`: the demand of traces through gpumem's policies, on the simulator and
+//! optionally a real device, beside what each trace's own allocator reserved.
+
+use crate::output::{emit, Result};
+use gpumem::units::human;
+use gpumem::Config;
+use serde::Serialize;
+
+#[derive(Serialize)]
+struct ReplayOut {
+    trace: String,
+    events: usize,
+    policies: Vec<gpumem::trace::PolicyReport>,
+}
+
+pub fn run(
+    traces: &[std::path::PathBuf],
+    confs: &[String],
+    json: bool,
+    device: Option<usize>,
+) -> Result<()> {
+    let mut policies = vec![
+        ("gpumem".to_string(), Config::default()),
+        (
+            "gpumem (no VMM)".to_string(),
+            Config::parse("expandable_segments:False")?,
+        ),
+    ];
+    for c in confs {
+        policies.push((c.clone(), Config::parse(c)?));
+    }
+    for path in traces {
+        let events = gpumem::trace::read_trace(path)?;
+        let mut out = ReplayOut {
+            trace: path.display().to_string(),
+            events: events.len(),
+            policies: vec![gpumem::trace::recorded(&events)],
+        };
+        let err = |e: gpumem::Error| format!("{}: {e}", path.display());
+        for (name, config) in &policies {
+            out.policies
+                .push(gpumem::trace::replay(name, &events, config, 1 << 50).map_err(err)?);
+        }
+        if let Some(ordinal) = device {
+            for (name, config) in &policies {
+                out.policies
+                    .push(replay_on_device(name, &events, config, ordinal).map_err(err)?);
+            }
+        }
+        emit(json, &out, print)?;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn replay_on_device(
+    name: &str,
+    events: &[gpumem::trace::TraceEvent],
+    config: &Config,
+    ordinal: usize,
+) -> gpumem::Result<gpumem::trace::PolicyReport> {
+    if !gpumem::device::cuda_available() {
+        return Err(gpumem::Error::NoGpu(
+            "replay --device needs a CUDA GPU".into(),
+        ));
+    }
+    let make = || gpumem::device::cuda_backend(ordinal, config);
+    // a CUDA stream of our own for every stream id of the trace but 0 (the default stream)
+    let ctx = gpumem::resource::cuda::primary_context(ordinal)?;
+    let mut streams = std::collections::HashMap::new();
+    for e in events {
+        if e.stream != 0 && !streams.contains_key(&e.stream) {
+            let s = ctx
+                .new_stream()
+                .map_err(|err| gpumem::resource::cuda::cuda_err("cuStreamCreate", err))?;
+            streams.insert(e.stream, s);
+        }
+    }
+    let map = |id: u64| {
+        streams
+            .get(&id)
+            .map_or(gpumem::Stream::DEFAULT, |s| gpumem::Stream::from(&**s))
+    };
+    Ok(gpumem::trace::replay_detailed(name, events, config, &make, &map)?.report)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn replay_on_device(
+    _: &str,
+    _: &[gpumem::trace::TraceEvent],
+    _: &Config,
+    _: usize,
+) -> gpumem::Result<gpumem::trace::PolicyReport> {
+    Err(gpumem::Error::NoGpu(
+        "built without the cuda feature".into(),
+    ))
+}
+
+/// One trace's table.
+fn print(out: &ReplayOut) {
+    println!("{} ({} events)", out.trace, out.events);
+    println!(
+        "  {:<28} {:<10} {:>10} {:>13} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5}",
+        "policy",
+        "backend",
+        "peak live",
+        "peak reserved",
+        "ratio",
+        "segs",
+        "largest free",
+        "ns/event",
+        "calls",
+        "syncs"
+    );
+    for p in &out.policies {
+        println!(
+            "  {:<28} {:<10} {:>10} {:>13} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5}",
+            p.name,
+            p.backend,
+            human(p.peak_live_bytes),
+            human(p.peak_reserved_bytes),
+            p.ratio,
+            p.segments_at_peak,
+            human(p.largest_free_block_at_peak),
+            p.ns_per_event,
+            p.device_calls,
+            p.unmap_syncs
+        );
+    }
+}
