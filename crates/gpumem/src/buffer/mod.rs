@@ -58,11 +58,12 @@ pub struct DeviceSliceMut<'a, T: Pod> {
     len: usize,
 }
 
-fn bytes_of_len<T>(len: usize) -> Result<usize> {
+/// Bytes of `len` elements of `T`; an overflow is a request larger than `max`.
+pub(crate) fn bytes_of<T>(len: usize, max: u64) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>())
         .ok_or(Error::SizeTooLarge {
             requested: u64::MAX,
-            max: crate::pool::size::MAX_REQUEST,
+            max,
         })
 }
 
@@ -190,7 +191,7 @@ impl<T: Pod> DeviceBuffer<T> {
     /// `len` elements from `alloc` on `stream`. The contents are whatever the block last held
     /// (zeros for fresh host memory); use [`DeviceBuffer::zeroed`] for defined contents.
     pub fn alloc(alloc: &Device, stream: Stream, len: usize) -> Result<Self> {
-        let bytes = bytes_of_len::<T>(len)?;
+        let bytes = bytes_of::<T>(len, crate::pool::size::MAX_REQUEST)?;
         let block = if bytes == 0 {
             None
         } else {
@@ -635,16 +636,9 @@ mod cudarc_interop {
             return (buf.ptr, SyncOnDrop::Record(None));
         }
         let ops: &dyn StreamOps = &buf.alloc;
-        match ops.record_event(buf.stream) {
-            Ok(ev) => {
-                if ops.wait_event(s, ev).is_err() {
-                    let _ = ops.synchronize(buf.stream);
-                }
-                ops.destroy_event(ev);
-            }
-            Err(_) => {
-                let _ = ops.synchronize(buf.stream);
-            }
+        // without an event to wait for, wait on the host: correctness over speed
+        if crate::resource::stream_after(ops, buf.stream, ops, s).is_err() {
+            let _ = ops.synchronize(buf.stream);
         }
         (buf.ptr, SyncOnDrop::sync_stream(stream))
     }

@@ -149,13 +149,6 @@ impl<T: Pod> std::fmt::Debug for PinnedBuffer<T> {
     }
 }
 
-fn bytes_of<T>(len: usize) -> Result<usize> {
-    len.checked_mul(std::mem::size_of::<T>())
-        .ok_or(Error::SizeTooLarge {
-            requested: u64::MAX,
-            max: crate::pool::pinned::PINNED_MAX_REQUEST as u64,
-        })
-}
 
 impl<T: Pod> PinnedBuffer<T> {
     /// `len` zeroed elements from `pool`.
@@ -189,7 +182,7 @@ impl<T: Pod> PinnedBuffer<T> {
 
     /// A buffer with `len` set to 0 until the caller has initialised the block.
     fn uninit(pool: &PinnedPool, len: usize) -> Result<Self> {
-        let bytes = bytes_of::<T>(len)?;
+        let bytes = super::bytes_of::<T>(len, crate::pool::pinned::PINNED_MAX_REQUEST as u64)?;
         if std::mem::align_of::<T>() > crate::pool::pinned::PINNED_ALIGN {
             return Err(Error::InvalidAlignment {
                 align: std::mem::align_of::<T>(),

@@ -343,18 +343,11 @@ impl<T: Pod> DeviceView<'_, T> {
     }
 }
 
-fn bytes_of<T>(len: usize) -> Result<usize> {
-    len.checked_mul(std::mem::size_of::<T>())
-        .ok_or(Error::SizeTooLarge {
-            requested: u64::MAX,
-            max: crate::pool::size::MAX_REQUEST,
-        })
-}
 
 impl<T: Pod> UnifiedBuffer<T> {
     /// `len` zeroed elements, first used on `stream`.
     pub fn zeroed(mem: &UnifiedMemory, stream: Stream, len: usize) -> Result<Self> {
-        let bytes = bytes_of::<T>(len)?;
+        let bytes = super::bytes_of::<T>(len, crate::pool::size::MAX_REQUEST)?;
         if len == 0 || bytes == 0 {
             return Err(Error::ZeroSize);
         }

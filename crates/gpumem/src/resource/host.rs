@@ -3,20 +3,18 @@
 use super::{
     next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
 };
+use super::registry::{check_request, Registry};
 use crate::error::{Error, Result};
-use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 use std::alloc::Layout;
 
 /// Smallest alignment of host segments.
 const HOST_MIN_ALIGN: usize = 512;
 
-/// A live host segment: the aligned address handed out, and the allocation behind it.
+/// The allocation behind a live host segment.
 #[derive(Debug, Clone, Copy)]
 struct Raw {
     base: *mut u8,
     layout: Layout,
-    bytes: usize,
 }
 
 // SAFETY: `base` is a heap allocation owned by the registry; it is only freed under its lock.
@@ -25,9 +23,17 @@ unsafe impl Send for Raw {}
 /// Host memory from the system allocator. Segments are zeroed when first obtained (through
 /// calloc, so large ones cost no page touches until used), so every byte a typed buffer can
 /// read is initialised. Work is synchronous: every event is complete at once.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct HostResource {
-    live: Mutex<FxHashMap<DevPtr, Raw>>,
+    live: Registry<Raw>,
+}
+
+impl Default for HostResource {
+    fn default() -> Self {
+        Self {
+            live: Registry::new("host"),
+        }
+    }
 }
 
 impl HostResource {
@@ -38,23 +44,18 @@ impl HostResource {
 
     /// Bytes currently obtained from the system allocator.
     pub fn outstanding_bytes(&self) -> u64 {
-        self.live.lock().values().map(|r| r.bytes as u64).sum()
+        self.live.total_bytes()
     }
 }
 
 impl Resource for HostResource {
     fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
         let align = align.max(HOST_MIN_ALIGN);
+        check_request(bytes, align, 1 << 30)?;
         let bad_align = || Error::InvalidAlignment {
             align,
             max: 1 << 30,
         };
-        if !align.is_power_of_two() || align > 1 << 30 {
-            return Err(bad_align());
-        }
         // Over-allocate with the natural alignment (which lets the system use calloc, whose
         // large blocks come zeroed from the kernel) and align inside the block.
         let total = bytes.checked_add(align).ok_or_else(bad_align)?;
@@ -68,33 +69,16 @@ impl Resource for HostResource {
             });
         }
         let ptr = (base as usize).next_multiple_of(align) as DevPtr;
-        self.live.lock().insert(
-            ptr,
-            Raw {
-                base,
-                layout,
-                bytes,
-            },
-        );
+        self.live.insert(ptr, Raw { base, layout }, bytes);
         Ok(ptr)
     }
 
     fn deallocate(&self, ptr: DevPtr, bytes: usize, _stream: Stream) -> Result<()> {
-        let mut live = self.live.lock();
-        match live.get(&ptr).copied() {
-            Some(raw) if raw.bytes == bytes => {
-                live.remove(&ptr);
-                drop(live);
-                // SAFETY: `raw.base` came from `alloc_zeroed` with `raw.layout` (the registry
-                // proves it) and is removed from the registry, so it is freed once.
-                unsafe { std::alloc::dealloc(raw.base, raw.layout) };
-                Ok(())
-            }
-            Some(_) => Err(Error::InvalidArgument(format!(
-                "host deallocate of {ptr:#x} with a size ({bytes}) other than it was allocated with"
-            ))),
-            None => Err(Error::UnknownPointer { ptr }),
-        }
+        let raw = self.live.take(ptr, Some(bytes))?;
+        // SAFETY: `raw.base` came from `alloc_zeroed` with `raw.layout` (the registry proves
+        // it) and has left the registry, so it is freed once.
+        unsafe { std::alloc::dealloc(raw.base, raw.layout) };
+        Ok(())
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
@@ -121,7 +105,7 @@ impl Resource for HostResource {
 
 impl Drop for HostResource {
     fn drop(&mut self) {
-        for (_, raw) in self.live.get_mut().drain() {
+        for (_, raw) in self.live.drain() {
             // SAFETY: every registered block came from `alloc_zeroed` with its layout.
             unsafe { std::alloc::dealloc(raw.base, raw.layout) };
         }

@@ -10,6 +10,7 @@
 mod forward;
 pub mod host;
 pub mod info;
+mod registry;
 pub mod sim;
 
 pub(crate) use forward::{forward_resource_passthrough, forward_stream_ops};

@@ -1,6 +1,7 @@
 //! A stream-ordered pool (cuMemAllocFromPoolAsync).
 
 use super::*;
+use crate::resource::registry::check_request;
 
 /// A private stream-ordered pool (cuMemPoolCreate + cuMemAllocFromPoolAsync) with a release
 /// threshold: what `PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync` uses.
@@ -48,9 +49,8 @@ impl CudaAsyncPool {
 
 impl Resource for CudaAsyncPool {
     fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
+        // the driver aligns to 256 B at least (large blocks far more): checked after the call
+        check_request(bytes, align, 1 << 30)?;
         self.ops.bind()?;
         // SAFETY: our live pool and the caller's stream.
         let p = unsafe { result::mem_pool::alloc_async(self.handle(), bytes, raw(stream)) }

@@ -1,6 +1,7 @@
 //! Device memory: cuMemAlloc segments and virtual-memory pages.
 
 use super::*;
+use crate::resource::registry::check_request;
 
 /// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator), and
 /// virtual-memory pages (one cuMemCreate handle per page of the allocation granularity, so
@@ -120,9 +121,8 @@ impl CudaDevice {
 
 impl Resource for CudaDevice {
     fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
+        // the driver aligns to 256 B at least (large blocks far more): checked after the call
+        check_request(bytes, align, 1 << 30)?;
         self.ops.bind()?;
         // SAFETY: plain driver allocation; the memory is only exposed as an address.
         let p = unsafe { result::malloc_sync(bytes) }

@@ -2,6 +2,7 @@
 
 use super::pinned::PINNED_ALIGN;
 use super::*;
+use crate::resource::registry::{check_request, Registry};
 
 /// Managed (unified) memory (cuMemAllocManaged, attached globally) with a VRAM guard: a
 /// request that would take managed memory past `guard` × the device's free memory is refused
@@ -12,7 +13,7 @@ pub struct CudaManaged {
     ordinal: usize,
     guard: f64,
     oversubscribe: bool,
-    live: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, usize>>,
+    live: Registry<()>,
 }
 
 impl CudaManaged {
@@ -25,7 +26,7 @@ impl CudaManaged {
             ordinal,
             guard: 0.8,
             oversubscribe: false,
-            live: Default::default(),
+            live: Registry::new("managed"),
         })
     }
 
@@ -84,7 +85,7 @@ impl CudaManaged {
 
     /// Bytes of managed memory this resource holds.
     pub fn outstanding_bytes(&self) -> u64 {
-        self.live.lock().values().map(|&b| b as u64).sum()
+        self.live.total_bytes()
     }
 
     /// Migrate `[ptr, ptr + bytes)` to the device, ordered on `stream`.
@@ -120,15 +121,7 @@ impl CudaManaged {
 
 impl Resource for CudaManaged {
     fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
-        if !align.is_power_of_two() || align > PINNED_ALIGN {
-            return Err(Error::InvalidAlignment {
-                align,
-                max: PINNED_ALIGN,
-            });
-        }
+        check_request(bytes, align, PINNED_ALIGN)?;
         let free = self.ops.mem_info()?.free;
         let held = self.outstanding_bytes();
         // managed pages already on the device count against `free`: the guard compares all
@@ -147,14 +140,12 @@ impl Resource for CudaManaged {
         let p =
             unsafe { result::malloc_managed(bytes, sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL) }
                 .map_err(|e| alloc_err("cuMemAllocManaged", bytes, "cuMemAllocManaged", e))?;
-        self.live.lock().insert(p, bytes);
+        self.live.insert(p, (), bytes);
         Ok(p)
     }
 
     fn deallocate(&self, ptr: DevPtr, _bytes: usize, _stream: Stream) -> Result<()> {
-        if self.live.lock().remove(&ptr).is_none() {
-            return Err(Error::UnknownPointer { ptr });
-        }
+        self.live.take(ptr, None)?;
         self.ops.bind()?;
         // SAFETY: `ptr` came from cuMemAllocManaged (the registry proves it), freed once.
         unsafe { result::free_sync(ptr) }.map_err(|e| cuda_err("cuMemFree", e))
@@ -175,9 +166,9 @@ impl Resource for CudaManaged {
 
 impl Drop for CudaManaged {
     fn drop(&mut self) {
-        let live: Vec<DevPtr> = self.live.get_mut().keys().copied().collect();
+        let live = self.live.drain();
         if !live.is_empty() && self.ops.bind().is_ok() {
-            for p in live {
+            for (p, ()) in live {
                 // SAFETY: registered blocks came from cuMemAllocManaged and were never freed.
                 let _ = unsafe { result::free_sync(p) };
             }

@@ -1,6 +1,7 @@
 //! Page-locked host memory (cuMemHostAlloc).
 
 use super::*;
+use crate::resource::registry::{check_request, Registry};
 
 /// Page-locked host memory (cuMemHostAlloc, portable across contexts): the raw resource under
 /// the pinned pool. Each call costs a driver round trip that grows with the size (on the H100
@@ -10,7 +11,7 @@ pub struct CudaPinnedHost {
     ops: CudaOps,
     /// live allocations and their sizes: a free of an address we did not hand out is an
     /// error, not undefined behaviour
-    live: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, usize>>,
+    live: Registry<()>,
 }
 
 /// Alignment cuMemHostAlloc guarantees (a host page).
@@ -23,41 +24,24 @@ impl CudaPinnedHost {
         ops.bind()?;
         Ok(Self {
             ops,
-            live: Default::default(),
+            live: Registry::new("pinned"),
         })
     }
 }
 
 impl Resource for CudaPinnedHost {
     fn allocate(&self, _stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
-        if bytes == 0 {
-            return Err(Error::ZeroSize);
-        }
-        if !align.is_power_of_two() || align > PINNED_ALIGN {
-            return Err(Error::InvalidAlignment {
-                align,
-                max: PINNED_ALIGN,
-            });
-        }
+        check_request(bytes, align, PINNED_ALIGN)?;
         self.ops.bind()?;
         // SAFETY: plain driver allocation, exposed only as an address.
         let p = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(|e| alloc_err("cuMemHostAlloc", bytes, "cuMemHostAlloc", e))?;
-        self.live.lock().insert(p as DevPtr, bytes);
+        self.live.insert(p as DevPtr, (), bytes);
         Ok(p as DevPtr)
     }
 
     fn deallocate(&self, ptr: DevPtr, bytes: usize, _stream: Stream) -> Result<()> {
-        match self.live.lock().remove(&ptr) {
-            Some(b) if b == bytes => {}
-            Some(b) => {
-                self.live.lock().insert(ptr, b);
-                return Err(Error::InvalidArgument(format!(
-                    "pinned deallocate of {ptr:#x} with a size ({bytes}) other than it was allocated with ({b})"
-                )));
-            }
-            None => return Err(Error::UnknownPointer { ptr }),
-        }
+        self.live.take(ptr, Some(bytes))?;
         self.ops.bind()?;
         // SAFETY: `ptr` came from cuMemHostAlloc (the registry proves it) and leaves the
         // registry here, so it is freed once; callers have waited for copies using it.
@@ -88,9 +72,9 @@ impl Resource for CudaPinnedHost {
 
 impl Drop for CudaPinnedHost {
     fn drop(&mut self) {
-        let live: Vec<DevPtr> = self.live.get_mut().keys().copied().collect();
+        let live = self.live.drain();
         if !live.is_empty() && self.ops.bind().is_ok() {
-            for p in live {
+            for (p, ()) in live {
                 // SAFETY: blocks still registered came from cuMemHostAlloc and were never freed.
                 let _ = unsafe { result::free_host(p as *mut std::ffi::c_void) };
             }
