@@ -12,7 +12,6 @@
 //! The statistics functions return JSON or text in a buffer the caller frees with
 //! [`gpumem_free_string`].
 
-use gpumem::Device;
 use gpumem::{CachingAllocator, Config, Stream};
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -35,18 +34,23 @@ pub struct Refused {
 }
 
 struct State {
-    devices: Vec<OnceLock<Option<CachingAllocator>>>,
+    /// the devices (`None` where the configuration is bad: every call is then refused)
+    devices: Option<gpumem::DeviceSet>,
     refused: Refused,
     /// kinds of refusal already logged (log once each)
     logged: Mutex<Vec<&'static str>>,
 }
 
-const MAX_DEVICES: usize = 64;
-
 fn state() -> &'static State {
     static S: OnceLock<State> = OnceLock::new();
     S.get_or_init(|| State {
-        devices: (0..MAX_DEVICES).map(|_| OnceLock::new()).collect(),
+        devices: match config() {
+            Ok(c) => Some(device_set(c)),
+            Err(e) => {
+                eprintln!("gpumem: {e}");
+                None
+            }
+        },
         refused: Refused::default(),
         logged: Mutex::new(Vec::new()),
     })
@@ -86,45 +90,31 @@ fn config() -> gpumem::Result<Config> {
     Ok(c)
 }
 
-/// The allocator of `device`, created on first use; `None` if it cannot be.
+/// The allocator of `device`, created on first use; `None` if it cannot be (the reason is
+/// logged once).
 pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
-    let slot = usize::try_from(device)
-        .ok()
-        .and_then(|d| state().devices.get(d))?;
-    slot.get_or_init(|| {
-        let made = config().and_then(|c| make(device as usize, c));
-        match made {
-            Ok(a) => Some(a),
-            Err(e) => {
-                eprintln!("gpumem: cannot initialise device {device}: {e}");
-                None
-            }
+    let set = state().devices.as_ref()?;
+    let ordinal = usize::try_from(device).ok()?;
+    match set.device(ordinal) {
+        Ok(d) => Some(d.allocator()),
+        Err(e) => {
+            log_once("device", || format!("cannot initialise device {device}: {e}"));
+            None
         }
-    })
-    .as_ref()
+    }
 }
 
+/// The GPUs, each made on first use on its primary context (the one PyTorch uses).
 #[cfg(all(feature = "cuda", not(test)))]
-fn make(device: usize, config: Config) -> gpumem::Result<CachingAllocator> {
-    let allocator_of = |d: gpumem::Result<Device>| d.map(|d| d.allocator().clone());
-    if !gpumem::device::cuda_available() {
-        return Err(gpumem::Error::NoGpu("no CUDA driver or device".into()));
-    }
-    allocator_of(Device::cuda(device, config))
+fn device_set(config: Config) -> gpumem::DeviceSet {
+    gpumem::DeviceSet::new(config)
 }
 
 /// Without CUDA (and in this crate's unit tests, which exercise the ABI on the host backend)
 /// device 0 is host memory; there is no other device.
 #[cfg(any(not(feature = "cuda"), test))]
-fn make(device: usize, config: Config) -> gpumem::Result<CachingAllocator> {
-    let allocator_of = |d: gpumem::Result<Device>| d.map(|d| d.allocator().clone());
-    if device != 0 {
-        return Err(gpumem::Error::InvalidDevice {
-            ordinal: device,
-            count: 1,
-        });
-    }
-    allocator_of(Device::host(config))
+fn device_set(config: Config) -> gpumem::DeviceSet {
+    gpumem::DeviceSet::host(config)
 }
 
 fn guard<T>(fallback: T, f: impl FnOnce() -> T) -> T {
@@ -202,8 +192,8 @@ pub extern "C" fn gpumem_empty_cache() -> u64 {
         state()
             .devices
             .iter()
-            .filter_map(|d| d.get().and_then(|a| a.as_ref()))
-            .map(|a| a.empty_cache())
+            .flat_map(|set| set.made())
+            .map(|d| d.empty_cache())
             .sum()
     })
 }

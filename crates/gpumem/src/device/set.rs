@@ -16,8 +16,9 @@ use std::sync::OnceLock;
 #[derive(Debug)]
 pub struct DeviceSet {
     slots: Box<[OnceLock<Device>]>,
-    /// configuration of every device's allocator (no devices without the `cuda` feature)
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// one host device instead of the GPUs (machines without one, front ends' tests)
+    host: bool,
+    /// configuration of every device's allocator
     config: Config,
     /// (from, to) pairs with peer access enabled
     peers: Mutex<Vec<(usize, usize)>>,
@@ -33,6 +34,19 @@ impl DeviceSet {
             slots: (0..crate::device::device_count())
                 .map(|_| OnceLock::new())
                 .collect(),
+            host: false,
+            config,
+            peers: Mutex::new(Vec::new()),
+            create: Mutex::new(()),
+        }
+    }
+
+    /// A set of one device, 0, over plain host memory: for machines without a GPU and for the
+    /// tests of front ends, which then run the same code as on a GPU.
+    pub fn host(config: Config) -> Self {
+        Self {
+            slots: vec![OnceLock::new()].into_boxed_slice(),
+            host: true,
             config,
             peers: Mutex::new(Vec::new()),
             create: Mutex::new(()),
@@ -50,6 +64,11 @@ impl DeviceSet {
             });
             DeviceSet::new(config)
         })
+    }
+
+    /// The devices made so far (those [`DeviceSet::device`] was asked for).
+    pub fn made(&self) -> impl Iterator<Item = &Device> {
+        self.slots.iter().filter_map(OnceLock::get)
     }
 
     /// Number of devices.
@@ -81,6 +100,9 @@ impl DeviceSet {
 
     #[cfg(feature = "cuda")]
     fn make(&self, ordinal: usize) -> Result<Device> {
+        if self.host {
+            return Device::host(self.config.clone());
+        }
         let a = Device::cuda(ordinal, self.config.clone())?;
         // peers enabled before this allocator existed get access to its pages too
         for &(from, to) in self.peers.lock().iter() {
@@ -93,6 +115,9 @@ impl DeviceSet {
 
     #[cfg(not(feature = "cuda"))]
     fn make(&self, ordinal: usize) -> Result<Device> {
+        if self.host {
+            return Device::host(self.config.clone());
+        }
         Err(Error::InvalidDevice { ordinal, count: 0 })
     }
 
