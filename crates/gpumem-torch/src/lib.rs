@@ -98,7 +98,9 @@ pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
     match set.device(ordinal) {
         Ok(d) => Some(d.allocator()),
         Err(e) => {
-            log_once("device", || format!("cannot initialise device {device}: {e}"));
+            log_once("device", || {
+                format!("cannot initialise device {device}: {e}")
+            });
             None
         }
     }

@@ -12,11 +12,12 @@ fn main() {
         eprintln!("vmm_micro: no CUDA device");
         return;
     }
-    let dev = CudaDevice::new(0).expect("device 0");
-    let Some(page) = dev.vmm_page_size() else {
+    let device = CudaDevice::new(0).expect("device 0");
+    let Some(dev) = device.virtual_memory() else {
         eprintln!("vmm_micro: device 0 has no virtual-memory management");
         return;
     };
+    let page = dev.page_size();
     println!("page {} KiB", page >> 10);
     let va = 64u64 << 30;
     let base = dev.reserve_address(va).expect("reserve");
@@ -32,10 +33,11 @@ fn main() {
         let pair = t.elapsed().as_secs_f64() / reps as f64;
         let t = Instant::now();
         for _ in 0..reps {
-            let p = dev
+            let p = device
                 .allocate(Stream::DEFAULT, bytes as usize, 256)
                 .expect("cuMemAlloc");
-            dev.deallocate(p, bytes as usize, Stream::DEFAULT)
+            device
+                .deallocate(p, bytes as usize, Stream::DEFAULT)
                 .expect("cuMemFree");
         }
         let classic = t.elapsed().as_secs_f64() / reps as f64;

@@ -419,11 +419,8 @@ impl Resource for CachingAllocator {
     fn location(&self) -> Location {
         self.inner.backend.location()
     }
-    fn grant_peer_access(&self, peer: usize) -> Result<()> {
-        self.inner.backend.grant_peer_access(peer)
-    }
-    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
-        self.inner.backend.can_access(ptr)
+    fn peer_access(&self) -> Option<&dyn crate::resource::PeerAccess> {
+        self.inner.backend.peer_access()
     }
 }
 

@@ -2,7 +2,9 @@
 
 use crate::error::{Error, Result};
 use crate::resource::forward_stream_ops;
-use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
+use crate::resource::{
+    unsupported, Backend, DevPtr, Location, MemInfo, Resource, Stream, VirtualMemory,
+};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -90,15 +92,45 @@ impl Resource for Limit {
 
     crate::resource::forward_resource_passthrough!(inner);
 
+    /// The wrapped resource's pages, with mapped bytes charged to the budget.
+    fn virtual_memory(&self) -> Option<&dyn VirtualMemory> {
+        self.inner
+            .virtual_memory()
+            .map(|_| self as &dyn VirtualMemory)
+    }
+}
+
+impl Limit {
+    fn inner_vmm(&self) -> Result<&dyn VirtualMemory> {
+        self.inner
+            .virtual_memory()
+            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))
+    }
+}
+
+impl VirtualMemory for Limit {
+    fn page_size(&self) -> u64 {
+        self.inner_vmm().map_or(0, |v| v.page_size())
+    }
+
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
+        self.inner_vmm()?.reserve_address(bytes)
+    }
+
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        self.inner_vmm()?.release_address(addr, bytes)
+    }
+
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
+        let vmm = self.inner_vmm()?;
         self.charge(bytes)?;
-        self.inner.map(addr, bytes).inspect_err(|_| {
+        vmm.map(addr, bytes).inspect_err(|_| {
             self.used.fetch_sub(bytes, Ordering::Relaxed);
         })
     }
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        self.inner.unmap(addr, bytes)?;
+        self.inner_vmm()?.unmap(addr, bytes)?;
         self.used.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }

@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::resource::forward_stream_ops;
-use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
+use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream, VirtualMemory};
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -109,15 +109,11 @@ impl Resource for Tracking {
         self.inner.location()
     }
 
-    // virtual-memory pages are not allocations: they pass through untracked
     crate::resource::forward_resource_passthrough!(inner);
 
-    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        self.inner.map(addr, bytes)
-    }
-
-    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        self.inner.unmap(addr, bytes)
+    /// Virtual-memory pages are not allocations: they pass through untracked.
+    fn virtual_memory(&self) -> Option<&dyn VirtualMemory> {
+        self.inner.virtual_memory()
     }
 }
 

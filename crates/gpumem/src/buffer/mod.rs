@@ -148,7 +148,7 @@ fn device_copy<T: Pod>(
 ) -> Result<()> {
     let (dops, sops) = (dst.ops(), src.ops());
     let peer = dst.alloc.location() != src.alloc.location();
-    if peer && dst.alloc.can_access(src_ptr) == Some(false) {
+    if peer && dst.alloc.peer_access().and_then(|p| p.can_access(src_ptr)) == Some(false) {
         return Err(Error::Unsupported {
             backend: dst.alloc.backend().name().to_string(),
             what: format!(

@@ -9,7 +9,7 @@
 
 use crate::error::{Error, Result};
 use crate::pool::pinned::{PinnedBlock, PinnedPool};
-use crate::resource::{Backend, CopyKind, DevPtr, Event, Stream, StreamOps};
+use crate::resource::{unsupported, Backend, CopyKind, DevPtr, Event, Stream, StreamOps};
 use bytemuck::Pod;
 use parking_lot::Mutex;
 use std::marker::PhantomData;
@@ -148,7 +148,6 @@ impl<T: Pod> std::fmt::Debug for PinnedBuffer<T> {
             .finish()
     }
 }
-
 
 impl<T: Pod> PinnedBuffer<T> {
     /// `len` zeroed elements from `pool`.
@@ -304,7 +303,10 @@ impl<'a, T: Pod> PinnedRegistration<'a, T> {
     pub fn new(pool: &PinnedPool, data: &'a mut [T]) -> Result<Self> {
         let backend = pool.backend().clone();
         if !data.is_empty() {
-            backend.register_host(data.as_mut_ptr() as DevPtr, std::mem::size_of_val(data))?;
+            backend
+                .host_registration()
+                .ok_or_else(|| unsupported(backend.name(), "host-memory registration"))?
+                .register_host(data.as_mut_ptr() as DevPtr, std::mem::size_of_val(data))?;
         }
         Ok(Self {
             data,
@@ -353,7 +355,11 @@ impl<T: Pod> Drop for PinnedRegistration<'_, T> {
             tracing::error!("gpumem: waiting for copies on registered memory failed: {e}");
         }
         if !self.data.is_empty() {
-            if let Err(e) = self.backend.unregister_host(self.data.as_ptr() as DevPtr) {
+            let unregistered = match self.backend.host_registration() {
+                Some(r) => r.unregister_host(self.data.as_ptr() as DevPtr),
+                None => Err(unsupported(self.backend.name(), "host-memory registration")),
+            };
+            if let Err(e) = unregistered {
                 tracing::error!("gpumem: cuMemHostUnregister failed: {e}");
             }
         }

@@ -21,7 +21,8 @@ use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::resource::{
-    stream_after, Advice, CopyKind, DevPtr, Location, MemPlace, Resource, Stream, StreamOps,
+    stream_after, Advice, CopyKind, DevPtr, Location, ManagedMemory, MemPlace, Resource, Stream,
+    StreamOps,
 };
 use bytemuck::Pod;
 use serde::Serialize;
@@ -39,49 +40,6 @@ pub enum Placement {
     Mirrored,
 }
 
-/// Managed-memory operations the unified buffers need (the CUDA managed resource).
-pub(crate) trait ManagedOps: Send + Sync + std::fmt::Debug {
-    /// # Safety
-    /// The range must lie in managed memory of this resource.
-    unsafe fn prefetch(
-        &self,
-        ptr: DevPtr,
-        bytes: usize,
-        to: MemPlace,
-        stream: Stream,
-    ) -> Result<()>;
-    /// # Safety
-    /// The range must lie in managed memory of this resource.
-    unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()>;
-    fn ordinal(&self) -> usize;
-}
-
-#[cfg(feature = "cuda")]
-impl ManagedOps for crate::resource::cuda::CudaManaged {
-    unsafe fn prefetch(
-        &self,
-        ptr: DevPtr,
-        bytes: usize,
-        to: MemPlace,
-        stream: Stream,
-    ) -> Result<()> {
-        // SAFETY: forwarded under the caller's guarantee.
-        unsafe {
-            match to {
-                MemPlace::Host => self.prefetch_to_host(ptr, bytes, stream),
-                MemPlace::Device(_) => self.prefetch_to_device(ptr, bytes, stream),
-            }
-        }
-    }
-    unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()> {
-        // SAFETY: forwarded under the caller's guarantee.
-        unsafe { crate::resource::cuda::CudaManaged::advise(self, ptr, bytes, advice) }
-    }
-    fn ordinal(&self) -> usize {
-        crate::resource::cuda::CudaManaged::ordinal(self)
-    }
-}
-
 /// Managed buffers this large keep their pages on the device and serve host access from a
 /// pinned shadow copy: migrating pages to the host runs at 11–16 GB/s on the H100 machine
 /// (chunked over 8 streams no faster), a copy to pinned memory at 55 GB/s; host→device
@@ -93,7 +51,7 @@ pub const SHADOW_MIN: usize = 1 << 20;
 const MANAGED_GRANULE: usize = 64 << 10;
 
 struct Managed {
-    ops: Arc<dyn ManagedOps>,
+    ops: Arc<dyn ManagedMemory>,
     pool: CachingAllocator,
 }
 
@@ -342,7 +300,6 @@ impl<T: Pod> DeviceView<'_, T> {
         self.stream
     }
 }
-
 
 impl<T: Pod> UnifiedBuffer<T> {
     /// `len` zeroed elements, first used on `stream`.

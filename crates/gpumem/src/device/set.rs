@@ -107,7 +107,7 @@ impl DeviceSet {
         // peers enabled before this allocator existed get access to its pages too
         for &(from, to) in self.peers.lock().iter() {
             if to == ordinal {
-                a.grant_peer_access(from)?;
+                grant(&a, from)?;
             }
         }
         Ok(a)
@@ -138,7 +138,7 @@ impl DeviceSet {
         crate::resource::cuda::enable_peer_access(from, to)?;
         self.peers.lock().push((from, to));
         if let Some(a) = self.slots[to].get() {
-            a.grant_peer_access(from)?;
+            grant(a, from)?;
         }
         Ok(())
     }
@@ -147,6 +147,13 @@ impl DeviceSet {
     pub fn peer_enabled(&self, from: usize, to: usize) -> bool {
         from == to || self.peers.lock().contains(&(from, to))
     }
+}
+
+/// Give device `peer` access to `device`'s memory where the memory needs it.
+fn grant(device: &Device, peer: usize) -> Result<()> {
+    device
+        .peer_access()
+        .map_or(Ok(()), |p| p.grant_peer_access(peer))
 }
 
 #[cfg(test)]

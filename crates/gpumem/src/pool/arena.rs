@@ -269,7 +269,7 @@ impl CachingPool {
         self.segment_index.remove(&addr);
         self.spare_segments.push(seg);
         if self.segments[seg as usize].pages.take().is_some() {
-            if let Err(e) = self.backend.release_address(addr, size) {
+            if let Err(e) = self.vmm().and_then(|v| v.release_address(addr, size)) {
                 tracing::warn!("gpumem: releasing address range {addr:#x} failed: {e}");
             }
             self.stats.segment.dec(kind, 1);

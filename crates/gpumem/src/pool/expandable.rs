@@ -66,9 +66,9 @@ impl CachingPool {
     ) -> Result<u32> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let va = self.va_size(size);
-        let addr = self.backend.reserve_address(va)?;
+        let addr = self.vmm()?.reserve_address(va)?;
         if addr % page != 0 {
-            let _ = self.backend.release_address(addr, va);
+            let _ = self.vmm().and_then(|v| v.release_address(addr, va));
             return Err(Error::Unsupported {
                 backend: self.backend.name().to_string(),
                 what: format!("reserved address {addr:#x} is not page-aligned"),
@@ -121,15 +121,15 @@ impl CachingPool {
         }
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
-            let mut r = self.backend.map(a, bytes);
+            let mut r = self.vmm().and_then(|v| v.map(a, bytes));
             if matches!(&r, Err(e) if e.is_out_of_memory()) {
                 self.stats.num_alloc_retries += 1;
                 self.release_cached();
-                r = self.backend.map(a, bytes);
+                r = self.vmm().and_then(|v| v.map(a, bytes));
                 if matches!(&r, Err(e) if e.is_out_of_memory()) && !self.pending.is_empty() {
                     self.sync_pending();
                     self.release_cached();
-                    r = self.backend.map(a, bytes);
+                    r = self.vmm().and_then(|v| v.map(a, bytes));
                 }
             }
             match r {
@@ -306,7 +306,10 @@ impl CachingPool {
         let base = self.segments[seg as usize].addr;
         let mut got = 0;
         for (first, n) in runs {
-            match self.backend.unmap(base + first * page, n * page) {
+            match self
+                .vmm()
+                .and_then(|v| v.unmap(base + first * page, n * page))
+            {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
                     got += n * page;

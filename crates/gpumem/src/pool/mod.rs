@@ -42,7 +42,7 @@ pub mod summary;
 
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
-use crate::resource::{Backend, DevPtr, Event, Stream};
+use crate::resource::{unsupported, Backend, DevPtr, Event, Stream, VirtualMemory};
 use expandable::{Churn, Pages};
 use free_index::FreeIndex;
 use record::{Action, Recorder};
@@ -232,6 +232,13 @@ impl std::fmt::Debug for CachingPool {
 }
 
 impl CachingPool {
+    /// The backend's virtual memory (there whenever the pool has expandable segments).
+    fn vmm(&self) -> Result<&dyn VirtualMemory> {
+        self.backend
+            .virtual_memory()
+            .ok_or_else(|| unsupported(self.backend.name(), "virtual-memory segments"))
+    }
+
     /// A pool over `backend` with the given configuration and shared counters.
     pub fn new(backend: Arc<dyn Backend>, config: &Config, shared: Arc<SharedCounters>) -> Self {
         let capacity = backend
@@ -239,8 +246,9 @@ impl CachingPool {
             .or_else(|| backend.mem_info().ok().map(|m| m.total))
             .unwrap_or(u64::MAX);
         let page = backend
-            .vmm_page_size()
-            .filter(|&p| config.pool.expandable_segments && p % MIN_BLOCK == 0);
+            .virtual_memory()
+            .map(|v| v.page_size())
+            .filter(|&p| config.pool.expandable_segments && p > 0 && p % MIN_BLOCK == 0);
         Self {
             backend,
             policy: Policy {
@@ -333,11 +341,15 @@ impl Drop for CachingPool {
                 synced = true;
             }
             for (f, n) in pages.runs(0, s.size / page, true) {
-                if self.backend.unmap(s.addr + f * page, n * page).is_ok() {
+                if self
+                    .vmm()
+                    .and_then(|v| v.unmap(s.addr + f * page, n * page))
+                    .is_ok()
+                {
                     self.shared.reserved.fetch_sub(n * page, Ordering::Relaxed);
                 }
             }
-            let _ = self.backend.release_address(s.addr, s.size);
+            let _ = self.vmm().and_then(|v| v.release_address(s.addr, s.size));
         }
     }
 }

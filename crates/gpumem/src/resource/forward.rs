@@ -77,38 +77,15 @@ macro_rules! forward_stream_ops {
 }
 pub(crate) use forward_stream_ops;
 
-/// Inside an `impl Resource` of an adaptor: forward the methods an adaptor passes through
-/// unchanged (address reservation, page size, peer access, host registration) to `self.$inner`.
+/// Inside an `impl Resource` of a wrapper: forward the capabilities a wrapper passes through
+/// unchanged (peer access, host registration) to `self.$inner`.
 macro_rules! forward_resource_passthrough {
     ($inner:ident) => {
-        fn vmm_page_size(&self) -> Option<u64> {
-            self.$inner.vmm_page_size()
+        fn peer_access(&self) -> Option<&dyn $crate::resource::PeerAccess> {
+            self.$inner.peer_access()
         }
-        fn reserve_address(&self, bytes: u64) -> $crate::error::Result<$crate::resource::DevPtr> {
-            self.$inner.reserve_address(bytes)
-        }
-        fn release_address(
-            &self,
-            addr: $crate::resource::DevPtr,
-            bytes: u64,
-        ) -> $crate::error::Result<()> {
-            self.$inner.release_address(addr, bytes)
-        }
-        fn grant_peer_access(&self, peer: usize) -> $crate::error::Result<()> {
-            self.$inner.grant_peer_access(peer)
-        }
-        fn can_access(&self, ptr: $crate::resource::DevPtr) -> Option<bool> {
-            self.$inner.can_access(ptr)
-        }
-        fn register_host(
-            &self,
-            ptr: $crate::resource::DevPtr,
-            bytes: usize,
-        ) -> $crate::error::Result<()> {
-            self.$inner.register_host(ptr, bytes)
-        }
-        fn unregister_host(&self, ptr: $crate::resource::DevPtr) -> $crate::error::Result<()> {
-            self.$inner.unregister_host(ptr)
+        fn host_registration(&self) -> Option<&dyn $crate::resource::HostRegistration> {
+            self.$inner.host_registration()
         }
     };
 }

@@ -1,9 +1,10 @@
 //! Plain host memory: the backend where no GPU is present, and the one CI tests run on.
 
+use super::registry::{check_request, Registry};
+use super::HostRegistration;
 use super::{
     next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
 };
-use super::registry::{check_request, Registry};
 use crate::error::{Error, Result};
 use std::alloc::Layout;
 
@@ -93,7 +94,13 @@ impl Resource for HostResource {
         Location::Host
     }
 
-    /// Plain host memory is already as good as host memory gets here.
+    fn host_registration(&self) -> Option<&dyn HostRegistration> {
+        Some(self)
+    }
+}
+
+/// Plain host memory is already as good as host memory gets here: nothing to do.
+impl HostRegistration for HostResource {
     fn register_host(&self, _ptr: DevPtr, _bytes: usize) -> Result<()> {
         Ok(())
     }

@@ -1,11 +1,15 @@
 //! Raw resources: where bytes come from.
 //!
-//! One small, stream-first trait ([`Resource`]) like RMM's `device_memory_resource`, plus the
-//! stream/event/copy operations ([`StreamOps`]) that the pool policy and typed buffers need.
-//! A [`Backend`] is both. Implementations: [`host::HostResource`] (plain host memory, the CI
-//! backend), [`sim::SimulatedDevice`] (fixed capacity, synthetic addresses, controllable events),
-//! and with the `cuda` feature [`cuda::CudaDevice`] (cuMemAlloc) and [`cuda::CudaAsyncPool`]
-//! (cuMemAllocFromPoolAsync).
+//! One slim, stream-first trait ([`Resource`]: allocate, deallocate, memory info) like RMM's
+//! `device_memory_resource`, capability traits a resource offers where it has them
+//! ([`VirtualMemory`], [`PeerAccess`], [`HostRegistration`], [`ManagedMemory`]; asked for
+//! through `Resource::virtual_memory()` and its siblings, so no method answers `Unsupported`
+//! by default), and the stream/event/copy operations ([`StreamOps`]) that the pool policy and
+//! typed buffers need. A [`Backend`] is a resource with stream operations.
+//!
+//! Implementations: [`host::HostResource`] (plain host memory, the CI backend),
+//! [`sim::SimulatedDevice`] (fixed capacity, synthetic addresses, controllable events, virtual
+//! memory), and with the `cuda` feature everything under [`cuda`], where all CUDA FFI lives.
 
 mod forward;
 pub mod host;
@@ -101,7 +105,9 @@ pub enum Advice {
     AccessedBy(usize, bool),
 }
 
-/// The raw-resource trait: stream-first allocate and deallocate.
+/// The raw-resource trait: stream-first allocate and deallocate, and what the resource can
+/// do beyond that, as capabilities ([`VirtualMemory`], [`PeerAccess`], [`HostRegistration`])
+/// that a caller asks for and gets only where the resource has them.
 ///
 /// Implementations are thread-safe and cheap to call concurrently; they do no caching
 /// (that is the pool's job).
@@ -113,7 +119,8 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()>;
     /// Free and total memory where this resource allocates.
     fn mem_info(&self) -> Result<MemInfo>;
-    /// A byte budget enforced by this resource (a budget adaptor wraps a resource with one), if any.
+    /// A byte budget enforced by this resource (a budget adaptor wraps a resource with one),
+    /// if any.
     fn limit(&self) -> Option<u64> {
         None
     }
@@ -122,78 +129,88 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
     /// Where the bytes live.
     fn location(&self) -> Location;
 
-    // ------------------------------------------------------------ virtual-memory segments
-
-    /// Page size of virtual-memory segments, or `None` where this resource has none
-    /// (the pool then falls back to classic segments).
-    fn vmm_page_size(&self) -> Option<u64> {
+    /// Virtual-memory segments, where this resource has them (the pool falls back to classic
+    /// segments elsewhere).
+    fn virtual_memory(&self) -> Option<&dyn VirtualMemory> {
         None
     }
+    /// Direct access between devices, where this resource's memory needs the resource to
+    /// grant it (virtual-memory pages do; memory peers reach through the contexts' peer
+    /// access needs nothing).
+    fn peer_access(&self) -> Option<&dyn PeerAccess> {
+        None
+    }
+    /// Page-locking existing host memory, where this resource can.
+    fn host_registration(&self) -> Option<&dyn HostRegistration> {
+        None
+    }
+}
+
+/// Virtual-memory segments: address space reserved without memory, and physical pages mapped
+/// into it and out again.
+pub trait VirtualMemory: Send + Sync {
+    /// Page size (the allocation granularity); ranges are multiples of it.
+    fn page_size(&self) -> u64;
     /// Reserve `bytes` (a multiple of the page size) of address space with no memory behind it.
-    fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
-        let _ = bytes;
-        Err(self.no_vmm())
-    }
-    /// Give back address space from [`Resource::reserve_address`]; nothing may be mapped in it.
-    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let _ = (addr, bytes);
-        Err(self.no_vmm())
-    }
+    fn reserve_address(&self, bytes: u64) -> Result<DevPtr>;
+    /// Give back address space from [`VirtualMemory::reserve_address`]; nothing may be mapped
+    /// in it.
+    fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()>;
     /// Back the unmapped, page-aligned range `[addr, addr + bytes)` of reserved address space
     /// with new physical memory (one handle per page, so pages unmap one by one), readable and
     /// writable by this device. All of the range is mapped, or none of it.
-    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let _ = (addr, bytes);
-        Err(self.no_vmm())
-    }
+    fn map(&self, addr: DevPtr, bytes: u64) -> Result<()>;
     /// Unmap the mapped, page-aligned range `[addr, addr + bytes)` and release its physical
     /// memory. The caller has made sure no queued work still touches it.
-    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let _ = (addr, bytes);
-        Err(self.no_vmm())
-    }
-    /// Let device `peer` access this resource's memory, present and future (virtual-memory
-    /// pages get a cuMemSetAccess descriptor for it). Memory that peers reach through the
-    /// context's peer access needs nothing here (the default).
-    fn grant_peer_access(&self, peer: usize) -> Result<()> {
-        let _ = peer;
-        Ok(())
-    }
+    fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()>;
+}
 
+/// Direct access between devices.
+pub trait PeerAccess: Send + Sync {
+    /// Let device `peer` access this resource's memory, present and future (virtual-memory
+    /// pages get a cuMemSetAccess descriptor for it).
+    fn grant_peer_access(&self, peer: usize) -> Result<()>;
     /// Whether this resource's device may access `ptr` (another device's memory): `None` where
     /// it cannot tell.
-    fn can_access(&self, ptr: DevPtr) -> Option<bool> {
-        let _ = ptr;
-        None
-    }
+    fn can_access(&self, ptr: DevPtr) -> Option<bool>;
+}
 
-    // ------------------------------------------------------------ host-memory registration
+/// Page-locking existing host memory, so that copies from and to it run at pinned speed.
+pub trait HostRegistration: Send + Sync {
+    /// Page-lock `bytes` bytes of existing host memory at `ptr` (cuMemHostRegister; plain host
+    /// memory needs nothing).
+    fn register_host(&self, ptr: DevPtr, bytes: usize) -> Result<()>;
+    /// Undo [`HostRegistration::register_host`] for the range starting at `ptr`.
+    fn unregister_host(&self, ptr: DevPtr) -> Result<()>;
+}
 
-    /// Page-lock `bytes` bytes of existing host memory at `ptr` so that copies from and to it
-    /// run at pinned speed (cuMemHostRegister). Plain host memory needs nothing (a no-op);
-    /// resources that cannot do it say so.
-    fn register_host(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
-        let _ = (ptr, bytes);
-        Err(crate::error::Error::Unsupported {
-            backend: self.name().to_string(),
-            what: "host-memory registration".into(),
-        })
-    }
-    /// Undo [`Resource::register_host`] for the range starting at `ptr`.
-    fn unregister_host(&self, ptr: DevPtr) -> Result<()> {
-        let _ = ptr;
-        Err(crate::error::Error::Unsupported {
-            backend: self.name().to_string(),
-            what: "host-memory registration".into(),
-        })
-    }
+/// Managed (unified) memory: moving pages ahead of use and advice about where they live.
+pub trait ManagedMemory: Send + Sync + std::fmt::Debug {
+    /// Move the pages of `[ptr, ptr + bytes)` to `to`, ordered on `stream`.
+    ///
+    /// # Safety
+    /// The range must lie in managed memory of this resource.
+    unsafe fn prefetch(
+        &self,
+        ptr: DevPtr,
+        bytes: usize,
+        to: MemPlace,
+        stream: Stream,
+    ) -> Result<()>;
+    /// Give advice about `[ptr, ptr + bytes)`.
+    ///
+    /// # Safety
+    /// The range must lie in managed memory of this resource.
+    unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()>;
+    /// The device the memory was created on.
+    fn ordinal(&self) -> usize;
+}
 
-    /// The error the virtual-memory methods return where there are none.
-    fn no_vmm(&self) -> crate::error::Error {
-        crate::error::Error::Unsupported {
-            backend: self.name().to_string(),
-            what: "virtual-memory segments".into(),
-        }
+/// The error a capability's absence gives: what is missing, and on which resource.
+pub fn unsupported(resource: &str, what: &str) -> crate::error::Error {
+    crate::error::Error::Unsupported {
+        backend: resource.to_string(),
+        what: what.into(),
     }
 }
 

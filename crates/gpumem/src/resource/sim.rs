@@ -10,6 +10,7 @@
 
 use super::{
     next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
+    VirtualMemory,
 };
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
@@ -187,13 +188,22 @@ impl Resource for SimulatedDevice {
         Location::Simulated
     }
 
-    fn vmm_page_size(&self) -> Option<u64> {
-        self.vmm.then_some(SIM_GRANULARITY)
+    fn virtual_memory(&self) -> Option<&dyn VirtualMemory> {
+        self.vmm.then_some(self as &dyn VirtualMemory)
+    }
+}
+
+impl VirtualMemory for SimulatedDevice {
+    fn page_size(&self) -> u64 {
+        SIM_GRANULARITY
     }
 
     fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
         if !self.vmm {
-            return Err(self.no_vmm());
+            return Err(crate::resource::unsupported(
+                self.name(),
+                "virtual-memory segments",
+            ));
         }
         if bytes == 0 || bytes % SIM_GRANULARITY != 0 {
             return Err(Error::InvalidArgument(format!(

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::resource::registry::check_request;
+use crate::resource::{unsupported, HostRegistration, PeerAccess, VirtualMemory};
 
 /// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator), and
 /// virtual-memory pages (one cuMemCreate handle per page of the allocation granularity, so
@@ -153,12 +154,28 @@ impl Resource for CudaDevice {
         Location::Cuda(self.ordinal)
     }
 
-    fn vmm_page_size(&self) -> Option<u64> {
-        self.page
+    fn virtual_memory(&self) -> Option<&dyn VirtualMemory> {
+        self.page.is_some().then_some(self as &dyn VirtualMemory)
+    }
+
+    fn peer_access(&self) -> Option<&dyn PeerAccess> {
+        Some(self)
+    }
+
+    fn host_registration(&self) -> Option<&dyn HostRegistration> {
+        Some(self)
+    }
+}
+
+impl VirtualMemory for CudaDevice {
+    fn page_size(&self) -> u64 {
+        self.page.unwrap_or(0)
     }
 
     fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
-        let page = self.page.ok_or_else(|| self.no_vmm())?;
+        let page = self
+            .page
+            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))?;
         self.ops.bind()?;
         let mut addr: sys::CUdeviceptr = 0;
         // SAFETY: `addr` is a valid out-pointer; reserving address space maps nothing.
@@ -184,7 +201,9 @@ impl Resource for CudaDevice {
     }
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let page = self.page.ok_or_else(|| self.no_vmm())?;
+        let page = self
+            .page
+            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))?;
         if addr % page != 0 || bytes % page != 0 || bytes == 0 {
             return Err(Error::InvalidAlignment {
                 align: page as usize,
@@ -235,11 +254,14 @@ impl Resource for CudaDevice {
     }
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        self.page.ok_or_else(|| self.no_vmm())?;
+        self.page
+            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))?;
         self.ops.bind()?;
         self.unmap_pages(addr, bytes)
     }
+}
 
+impl HostRegistration for CudaDevice {
     fn register_host(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
         self.ops.register_host(ptr, bytes)
     }
@@ -247,7 +269,9 @@ impl Resource for CudaDevice {
     fn unregister_host(&self, ptr: DevPtr) -> Result<()> {
         self.ops.unregister_host(ptr)
     }
+}
 
+impl PeerAccess for CudaDevice {
     fn can_access(&self, ptr: DevPtr) -> Option<bool> {
         self.access_flags(ptr)
     }

@@ -3,6 +3,7 @@
 use super::pinned::PINNED_ALIGN;
 use super::*;
 use crate::resource::registry::{check_request, Registry};
+use crate::resource::ManagedMemory;
 
 /// Managed (unified) memory (cuMemAllocManaged, attached globally) with a VRAM guard: a
 /// request that would take managed memory past `guard` × the device's free memory is refused
@@ -177,3 +178,28 @@ impl Drop for CudaManaged {
 }
 
 cuda_stream_ops!(CudaManaged);
+
+impl ManagedMemory for CudaManaged {
+    unsafe fn prefetch(
+        &self,
+        ptr: DevPtr,
+        bytes: usize,
+        to: MemPlace,
+        stream: Stream,
+    ) -> Result<()> {
+        // SAFETY: forwarded under the caller's guarantee.
+        unsafe {
+            match to {
+                MemPlace::Host => self.prefetch_to_host(ptr, bytes, stream),
+                MemPlace::Device(_) => self.prefetch_to_device(ptr, bytes, stream),
+            }
+        }
+    }
+    unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()> {
+        // SAFETY: forwarded under the caller's guarantee.
+        unsafe { CudaManaged::advise(self, ptr, bytes, advice) }
+    }
+    fn ordinal(&self) -> usize {
+        CudaManaged::ordinal(self)
+    }
+}

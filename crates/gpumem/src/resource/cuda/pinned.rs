@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::resource::registry::{check_request, Registry};
+use crate::resource::HostRegistration;
 
 /// Page-locked host memory (cuMemHostAlloc, portable across contexts): the raw resource under
 /// the pinned pool. Each call costs a driver round trip that grows with the size (on the H100
@@ -61,6 +62,12 @@ impl Resource for CudaPinnedHost {
         Location::PinnedHost
     }
 
+    fn host_registration(&self) -> Option<&dyn HostRegistration> {
+        Some(self)
+    }
+}
+
+impl HostRegistration for CudaPinnedHost {
     fn register_host(&self, ptr: DevPtr, bytes: usize) -> Result<()> {
         self.ops.register_host(ptr, bytes)
     }
