@@ -15,7 +15,7 @@
 //!   (after an event wait), growth with retries (release cached segments, retry, wait for
 //!   pending events, release again, retry, then [`Error::OutOfMemory`]), garbage collection.
 //! - `expandable.rs`: where the backend has virtual memory
-//!   ([`crate::resource::Resource::vmm_page_size`]) and `expandable_segments` is on (the
+//!   ([`crate::resource::Resource::virtual_memory`]) and `expandable_segments` is on (the
 //!   default), each stream and pool gets one large reserved address range whose pages are
 //!   backed by physical memory only where blocks need them. Before the pool maps more than the
 //!   peak of allocated bytes (plus `expandable_slack`), it unmaps pages that lie wholly inside

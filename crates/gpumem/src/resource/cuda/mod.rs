@@ -250,7 +250,7 @@ macro_rules! cuda_stream_ops {
 use cuda_stream_ops;
 /// Let device `from` access device `to`'s memory directly (cuCtxEnablePeerAccess on the
 /// primary contexts; enabling twice is fine). Virtual-memory pages also need
-/// [`Resource::grant_peer_access`] on `to`'s resource.
+/// [`crate::resource::PeerAccess::grant_peer_access`] on `to`'s resource.
 pub fn enable_peer_access(from: usize, to: usize) -> Result<()> {
     if from == to {
         return Ok(());
