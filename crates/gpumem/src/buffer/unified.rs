@@ -19,6 +19,7 @@ use crate::allocator::{Allocation, CachingAllocator};
 use crate::buffer::pinned::{pinned_copy, PinnedBuffer};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
+pub use crate::device::ManagedOptions;
 use crate::error::{Error, Result};
 use crate::resource::{
     stream_after, Advice, CopyKind, DevPtr, Location, ManagedMemory, MemPlace, Resource, Stream,
@@ -88,25 +89,6 @@ fn concurrent_managed(location: Location) -> bool {
     }
 }
 
-/// Options of the managed pool.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ManagedOptions {
-    /// managed memory may hold at most this fraction of (free + managed) device memory
-    pub guard_fraction: f64,
-    /// allow managed memory past the guard (pages then evict to the host as the device fills);
-    /// it can stall the whole GPU, so only by explicit choice and never on shared machines
-    pub allow_oversubscription: bool,
-}
-
-impl Default for ManagedOptions {
-    fn default() -> Self {
-        Self {
-            guard_fraction: 0.8,
-            allow_oversubscription: false,
-        }
-    }
-}
-
 impl UnifiedMemory {
     /// Unified memory on `device`'s device. `Placement::Auto` picks managed memory where the
     /// device has concurrent managed access (Pascal and later on Linux) and the mirrored
@@ -134,29 +116,15 @@ impl UnifiedMemory {
             }
             p => p,
         };
-        let managed = match (resolved, location) {
-            #[cfg(feature = "cuda")]
-            (Placement::Managed, Location::Cuda(ordinal)) => {
-                let mut res = crate::resource::cuda::CudaManaged::new(ordinal)?
-                    .with_guard(options.guard_fraction)?;
-                if options.allow_oversubscription {
-                    res = res.allow_oversubscription();
-                }
-                let res = Arc::new(res);
-                let mut config = crate::Config {
-                    shards: Some(1),
-                    ..crate::Config::default()
-                };
-                config.pool.expandable_segments = false;
+        let managed = match resolved {
+            Placement::Managed => {
+                let p = device.managed_pool(options)?;
                 Some(Managed {
-                    ops: res.clone(),
-                    pool: CachingAllocator::new(res, config)?,
+                    ops: p.memory,
+                    pool: p.allocator,
                 })
             }
-            _ => {
-                let _ = options;
-                None
-            }
+            _ => None,
         };
         Ok(Self {
             inner: Arc::new(UInner {

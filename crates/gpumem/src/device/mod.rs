@@ -133,6 +133,38 @@ impl Device {
         Ok(self.inner.transfer.get_or_init(|| engine))
     }
 
+    /// A caching pool of managed (unified) memory on this device, with the VRAM guard of
+    /// `options` (one shard, classic segments: managed memory has no virtual-memory pages).
+    pub fn managed_pool(&self, options: ManagedOptions) -> Result<ManagedPool> {
+        match self.backend().location() {
+            #[cfg(feature = "cuda")]
+            Location::Cuda(ordinal) => {
+                let mut res = crate::resource::cuda::CudaManaged::new(ordinal)?
+                    .with_guard(options.guard_fraction)?;
+                if options.allow_oversubscription {
+                    res = res.allow_oversubscription();
+                }
+                let res = Arc::new(res);
+                let mut config = Config {
+                    shards: Some(1),
+                    ..Config::default()
+                };
+                config.pool.expandable_segments = false;
+                Ok(ManagedPool {
+                    memory: res.clone(),
+                    allocator: CachingAllocator::new(res, config)?,
+                })
+            }
+            other => {
+                let _ = options;
+                Err(Error::Unsupported {
+                    backend: self.backend().name().to_string(),
+                    what: format!("managed memory ({other:?} memory)"),
+                })
+            }
+        }
+    }
+
     /// The pinned host pool of the transfer engine.
     pub fn pinned_pool(&self) -> Result<&PinnedPool> {
         Ok(self.transfer_engine()?.pinned_pool())
@@ -140,6 +172,34 @@ impl Device {
 }
 
 crate::resource::forward_stream_ops!(Device, |s| s.inner.allocator);
+
+/// Options of the managed pool.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ManagedOptions {
+    /// managed memory may hold at most this fraction of (free + managed) device memory
+    pub guard_fraction: f64,
+    /// allow managed memory past the guard (pages then evict to the host as the device fills);
+    /// it can stall the whole GPU, so only by explicit choice and never on shared machines
+    pub allow_oversubscription: bool,
+}
+
+impl Default for ManagedOptions {
+    fn default() -> Self {
+        Self {
+            guard_fraction: 0.8,
+            allow_oversubscription: false,
+        }
+    }
+}
+
+/// A caching pool of managed memory and the resource's prefetch and advice.
+#[derive(Debug)]
+pub struct ManagedPool {
+    /// prefetch and advice on the pool's memory
+    pub memory: Arc<dyn crate::resource::ManagedMemory>,
+    /// the caching pool over the managed resource
+    pub allocator: CachingAllocator,
+}
 
 /// The CUDA resource `config` asks for on device `ordinal`: cuMemAlloc and virtual-memory pages
 /// (`backend:native`, the default) or a stream-ordered pool (`backend:cudaMallocAsync`).
