@@ -9,13 +9,11 @@
 
 use crate::output::Result;
 use gpumem::pool::SegmentInfo;
-use gpumem::resource::sim::SimulatedDevice;
 use gpumem::trace::{Action, Replay, TraceEvent};
 use gpumem::units::human;
-use gpumem::{Backend, Config};
+use gpumem::Config;
 use std::fmt::Write as _;
 use std::path::Path;
-use std::sync::Arc;
 
 /// Columns of the timeline.
 const COLUMNS: usize = 480;
@@ -28,7 +26,7 @@ pub fn write(trace: &Path, output: &Path, conf: &str) -> Result<()> {
     let events = gpumem::trace::read_trace(trace)?;
     let config = Config::parse(conf)?;
     let name = if conf.is_empty() { "gpumem" } else { conf };
-    let make = || Ok(Arc::new(SimulatedDevice::new(1 << 50)) as Arc<dyn Backend>);
+    let make = || Ok(gpumem::trace::simulated(1 << 50));
     let replay = gpumem::trace::replay_detailed(name, &events, &config, &make, &gpumem::Stream)
         .map_err(|e| format!("{}: {e}", trace.display()))?;
     let html = render(&trace.display().to_string(), &events, &replay);

@@ -20,7 +20,7 @@ pub use crate::pool::record::{Action, TraceEvent};
 mod replay;
 pub mod synthetic;
 
-pub use replay::{recorded, replay, replay_detailed, PolicyReport, Replay};
+pub use replay::{recorded, replay, replay_detailed, simulated, PolicyReport, Replay};
 
 fn bad(path: &str, line: usize, what: impl std::fmt::Display) -> Error {
     Error::Trace(format!("{path}:{line}: {what}"))

@@ -115,7 +115,8 @@ pub fn replay(
     Ok(replay_detailed(name, events, config, &|| Ok(simulated(capacity)), &Stream)?.report)
 }
 
-fn simulated(capacity: u64) -> Arc<dyn Backend> {
+/// A simulated device of `capacity` bytes, as a backend to replay on.
+pub fn simulated(capacity: u64) -> Arc<dyn Backend> {
     Arc::new(SimulatedDevice::new(capacity))
 }
 
