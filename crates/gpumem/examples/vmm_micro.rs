@@ -1,6 +1,8 @@
 //! Cost of virtual-memory page operations on a CUDA device (diagnostics for the expandable
-//! segments): reserve, map (cuMemCreate + cuMemMap + cuMemSetAccess) and unmap (cuMemUnmap +
-//! cuMemRelease) of runs of pages, against cuMemAlloc / cuMemFree of the same bytes.
+//! segments): moves of runs of pages through gpumem's page engine (what the caller's thread
+//! pays, and what runs on the engine's thread), against cuMemAlloc / cuMemFree of the same
+//! bytes; then the raw driver calls one by one (create/release, and map + set-access + unmap of
+//! a kept handle).
 //! `cargo run --release --example vmm_micro` on a GPU machine.
 
 #[cfg(feature = "cuda")]
@@ -21,16 +23,30 @@ fn main() {
     println!("page {} KiB", page >> 10);
     let va = 64u64 << 30;
     let base = dev.reserve_address(va).expect("reserve");
+    // the page engine: a move (unmap a run here, map one there) as the pool makes it; the
+    // caller's thread pays the map (kept handles after the first rounds, one set-access per
+    // run) and only queues the unmap, which the engine's thread does
     for run in [1u64, 10, 100, 1000] {
         let bytes = run * page;
         let reps = (2000 / run).clamp(2, 200);
-        let t = Instant::now();
-        for r in 0..reps {
-            let a = base + (r % 8) * bytes.min(va / 8);
-            dev.map(a, bytes).expect("map");
-            dev.unmap(a, bytes).expect("unmap");
+        let before = dev.calls();
+        let (mut map_s, mut unmap_s) = (0.0f64, 0.0f64);
+        let slots = (va / bytes).min(8);
+        dev.map(base, bytes).expect("map");
+        for r in 1..=reps {
+            let (from, to) = (base + ((r - 1) % slots) * bytes, base + (r % slots) * bytes);
+            let t = Instant::now();
+            dev.unmap(from, bytes).expect("unmap");
+            unmap_s += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            dev.map(to, bytes).expect("map");
+            map_s += t.elapsed().as_secs_f64();
         }
-        let pair = t.elapsed().as_secs_f64() / reps as f64;
+        dev.unmap(base + (reps % slots) * bytes, bytes).expect("unmap");
+        let t = Instant::now();
+        dev.trim();
+        let drain = t.elapsed().as_secs_f64();
+        let c = dev.calls();
         let t = Instant::now();
         for _ in 0..reps {
             let p = device
@@ -41,11 +57,20 @@ fn main() {
                 .expect("cuMemFree");
         }
         let classic = t.elapsed().as_secs_f64() / reps as f64;
+        let per = |x: f64| x * 1e6 / (reps * run) as f64;
         println!(
-            "{:>6} MiB: map+unmap {:>9.1} us ({:>6.1} us/page)   cuMemAlloc+cuMemFree {:>9.1} us",
+            "{:>6} MiB moves: caller {:>6.1} us/page (map {:>6.1}, unmap {:>5.2})  creates {} \
+             set-access {} waits {}  background unmaps {} (drain {:.1} ms)  \
+             cuMemAlloc+cuMemFree {:>9.1} us",
             bytes >> 20,
-            pair * 1e6,
-            pair * 1e6 / run as f64,
+            per(map_s + unmap_s),
+            per(map_s),
+            per(unmap_s),
+            c.creates - before.creates,
+            c.set_access - before.set_access,
+            c.waits - before.waits,
+            c.background - before.background,
+            drain * 1e3,
             classic * 1e6
         );
     }

@@ -270,6 +270,12 @@ impl CachingAllocator {
             total.merge(&self.shard(j).stats());
         }
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
+        if let Some(v) = self.inner.backend.virtual_memory() {
+            let c = v.calls();
+            total.vmm_calls_foreground = c.foreground;
+            total.vmm_calls_background = c.background;
+            total.vmm_spare_bytes = c.spare_bytes;
+        }
         total
     }
 

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::resource::forward_stream_ops;
 use crate::resource::{
-    unsupported, Backend, DevPtr, Location, MemInfo, Resource, Stream, VirtualMemory,
+    unsupported, Backend, DevPtr, Location, MemInfo, Resource, Stream, VirtualMemory, VmmCalls,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -133,6 +133,16 @@ impl VirtualMemory for Limit {
         self.inner_vmm()?.unmap(addr, bytes)?;
         self.used.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn trim(&self) {
+        if let Ok(v) = self.inner_vmm() {
+            v.trim();
+        }
+    }
+
+    fn calls(&self) -> VmmCalls {
+        self.inner_vmm().map(|v| v.calls()).unwrap_or_default()
     }
 }
 

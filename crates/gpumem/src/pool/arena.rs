@@ -119,6 +119,8 @@ impl CachingPool {
                     tick,
                 );
             }
+            let stream = s.stream;
+            self.checkpoint_on_free(stream);
         }
         let mut id = id;
         let (prev, stream) = {

@@ -46,6 +46,26 @@ impl CachingPool {
         }
     }
 
+    /// A checkpoint on `stream` when a block of it is freed, unless one is outstanding: the
+    /// stream is alive now (blocks must not outlive their streams), and once the event
+    /// completes, the pages freed so far are known idle, with no waiting. No query here: a
+    /// completed checkpoint is retired when pages are next reclaimed.
+    pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
+        let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
+            Some(i) => i,
+            None => {
+                self.checkpoints.push((stream, 0, None, 0));
+                self.checkpoints.len() - 1
+            }
+        };
+        if self.checkpoints[i].2.is_none() {
+            if let Ok(ev) = self.backend.record_event(stream) {
+                self.checkpoints[i].2 = Some(ev);
+                self.checkpoints[i].3 = self.tick;
+            }
+        }
+    }
+
     /// Record that `stream` uses the live block at `addr` (PyTorch's `record_stream`): when it
     /// is freed, it is reused only after the work queued on `stream` by then has completed.
     pub fn record_stream(&mut self, addr: DevPtr, stream: Stream) -> Result<()> {

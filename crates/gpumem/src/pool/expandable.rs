@@ -117,7 +117,8 @@ impl CachingPool {
         let started = moving.then(Instant::now);
         if moving {
             self.churn.moves += 1;
-            self.reclaim_pages(Some(stream), reserved + need - allowance);
+            // no waiting here: pages not yet known idle stay, new ones are mapped
+            self.reclaim_pages(Some(stream), reserved + need - allowance, false);
         }
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
@@ -181,13 +182,18 @@ impl CachingPool {
     /// Unmap up to about `want` bytes of pages lying wholly inside free blocks of expandable
     /// segments, those of `stream` first and the highest addresses first. Unmapping is
     /// immediate, so no queued work may still touch a page: pages freed before the owner
-    /// stream's last completed checkpoint event go first (no waiting); then a fresh checkpoint
-    /// is recorded and, if the stream has already caught up, more pages are safe; only then
-    /// does the pool wait for the stream. Only `current` (the stream of the allocation being
-    /// served, alive by contract) gets events recorded on it or is waited for; segments of
-    /// other streams, which may have been destroyed since, are made safe by a device-wide
-    /// synchronisation. Returns the bytes unmapped.
-    pub(super) fn reclaim_pages(&mut self, current: Option<Stream>, want: u64) -> u64 {
+    /// stream's last completed checkpoint event go (checkpoints are recorded when blocks are
+    /// freed, so every stream has one); then a fresh checkpoint is recorded on `current` and,
+    /// if the stream has already caught up, more pages are safe. Only with `may_wait` (emptying
+    /// the cache, out of memory: never on the allocation path) does the pool then wait for the
+    /// stream, or the whole device for segments of other streams (which may have been
+    /// destroyed since). Returns the bytes unmapped.
+    pub(super) fn reclaim_pages(
+        &mut self,
+        current: Option<Stream>,
+        want: u64,
+        may_wait: bool,
+    ) -> u64 {
         if self.policy.page.is_none() || want == 0 {
             return 0;
         }
@@ -228,6 +234,9 @@ impl CachingPool {
                 if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
                     continue;
                 }
+            }
+            if !may_wait {
+                continue;
             }
             // 3: wait for the stream (or the device), then the rest is idle
             let waited = if own {

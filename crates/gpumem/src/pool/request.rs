@@ -242,7 +242,12 @@ impl CachingPool {
         self.shared.churn_level.store(0, Ordering::Relaxed);
         self.flush_quick();
         self.process_events();
-        let mut bytes = self.reclaim_pages(None, u64::MAX);
+        let mut bytes = self.reclaim_pages(None, u64::MAX, true);
+        if self.policy.page.is_some() {
+            if let Ok(v) = self.vmm() {
+                v.trim(); // handles kept for reuse go back too
+            }
+        }
         for seg in self.releasable() {
             let s = &self.segments[seg as usize];
             if s.pages.is_none() {

@@ -112,6 +112,14 @@ pub struct Stats {
     pub unmapped_bytes: u64,
     /// host waits for one stream before unmapping its free pages
     pub num_unmap_syncs: u64,
+    /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
+    /// by the allocator)
+    pub vmm_calls_foreground: u64,
+    /// virtual-memory driver calls on the backend's own thread (unmapping, releasing)
+    pub vmm_calls_background: u64,
+    /// bytes of physical pages the backend keeps unmapped for the next map (not in
+    /// `reserved_bytes`)
+    pub vmm_spare_bytes: u64,
 }
 
 impl Stats {
@@ -437,6 +445,7 @@ impl HotStats {
             mapped_bytes: self.mapped_bytes,
             unmapped_bytes: self.unmapped_bytes,
             num_unmap_syncs: self.num_unmap_syncs,
+            ..Stats::default()
         }
     }
 }

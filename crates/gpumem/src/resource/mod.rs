@@ -160,9 +160,42 @@ pub trait VirtualMemory: Send + Sync {
     /// with new physical memory (one handle per page, so pages unmap one by one), readable and
     /// writable by this device. All of the range is mapped, or none of it.
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()>;
-    /// Unmap the mapped, page-aligned range `[addr, addr + bytes)` and release its physical
-    /// memory. The caller has made sure no queued work still touches it.
+    /// Unmap the mapped, page-aligned range `[addr, addr + bytes)` and give its physical
+    /// memory back (a resource may keep a few handles for the next map, and may do the
+    /// unmapping on a thread of its own). The caller has made sure no queued work still
+    /// touches it.
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()>;
+    /// Give back whatever physical memory the resource keeps beyond the mapped pages, once
+    /// pending unmaps are done (emptying the cache).
+    fn trim(&self) {}
+    /// Driver calls made for pages so far.
+    fn calls(&self) -> VmmCalls {
+        VmmCalls::default()
+    }
+}
+
+/// Driver calls a [`VirtualMemory`] resource made, by where they ran and by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct VmmCalls {
+    /// calls on the caller's (allocating) thread
+    pub foreground: u64,
+    /// calls on the resource's own thread
+    pub background: u64,
+    /// physical handles created (cuMemCreate)
+    pub creates: u64,
+    /// pages mapped (cuMemMap)
+    pub maps: u64,
+    /// access set (cuMemSetAccess, one per mapped range)
+    pub set_access: u64,
+    /// pages unmapped (cuMemUnmap)
+    pub unmaps: u64,
+    /// handles released (cuMemRelease)
+    pub releases: u64,
+    /// times a map waited for the background thread to finish unmapping its pages
+    pub waits: u64,
+    /// bytes of physical handles kept unmapped for the next map (not in any pool's reserved
+    /// bytes)
+    pub spare_bytes: u64,
 }
 
 /// Direct access between devices.

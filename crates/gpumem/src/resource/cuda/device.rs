@@ -2,59 +2,20 @@
 
 use super::*;
 use crate::resource::registry::check_request;
-use crate::resource::{unsupported, HostRegistration, PeerAccess, VirtualMemory};
+use super::pages::{self, Pages};
+use crate::resource::{unsupported, HostRegistration, PeerAccess, VirtualMemory, VmmCalls};
 
 /// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator), and
-/// virtual-memory pages (one cuMemCreate handle per page of the allocation granularity, so
-/// that pages unmap one by one).
+/// virtual-memory pages (one handle per page of the allocation granularity, so that pages
+/// unmap one by one; kept for reuse and unmapped off the caller's thread: see `pages.rs`).
 #[derive(Debug)]
 pub struct CudaDevice {
     ops: CudaOps,
     ordinal: usize,
-    /// allocation granularity, where the device has virtual-memory management
-    page: Option<u64>,
-    /// physical handle of every mapped page, by address
-    handles: parking_lot::Mutex<rustc_hash::FxHashMap<DevPtr, u64>>,
+    /// the page engine, where the device has virtual-memory management
+    pages: Option<Arc<Pages>>,
     /// other devices that get access to every mapped page
     peers: parking_lot::RwLock<Vec<usize>>,
-}
-
-fn alloc_prop(ordinal: usize) -> sys::CUmemAllocationProp {
-    // SAFETY: an all-zero CUmemAllocationProp is the documented default; fields set below.
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
-    prop.location = device_location(ordinal);
-    prop
-}
-
-/// The device's virtual-memory granularity, or `None` where it has no VMM.
-fn vmm_granularity(ordinal: usize) -> Option<u64> {
-    // SAFETY: attribute queries on a valid ordinal (checked by `primary_context`).
-    let supported = unsafe {
-        let dev = result::device::get(ordinal as i32).ok()?;
-        result::device::get_attribute(
-            dev,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-        )
-        .ok()?
-    };
-    if supported == 0 {
-        return None;
-    }
-    let prop = alloc_prop(ordinal);
-    let mut gran = 0usize;
-    // SAFETY: `prop` is initialised and `gran` is a valid out-pointer.
-    unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut gran,
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    }
-    .result()
-    .ok()?;
-    (gran > 0 && gran.is_power_of_two()).then_some(gran as u64)
 }
 
 impl CudaDevice {
@@ -62,61 +23,33 @@ impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<Self> {
         let ops = CudaOps::new(primary_context(ordinal)?);
         ops.bind()?;
+        let pages = pages::probe(ordinal)
+            .map(|(page, handle_type)| Pages::new(ops.ctx.clone(), ordinal, page, handle_type));
         Ok(Self {
             ops,
             ordinal,
-            page: vmm_granularity(ordinal),
-            handles: Default::default(),
+            pages,
             peers: Default::default(),
         })
     }
 
     /// The same device with virtual-memory segments turned off (classic segments only).
     pub fn without_vmm(mut self) -> Self {
-        self.page = None;
+        if let Some(p) = self.pages.take() {
+            p.shut_down();
+        }
         self
     }
 
-    /// Unmap and release the pages `[addr, addr + bytes)` that are in the handle map.
-    fn unmap_pages(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let page = self.page.unwrap_or(1);
-        let mut handles = self.handles.lock();
-        let mut first_err = None;
-        let mut p = addr;
-        while p < addr + bytes {
-            if let Some(h) = handles.remove(&p) {
-                // SAFETY: `p` was mapped with handle `h` by `map`; the pool has waited for
-                // the work that used it.
-                let r = unsafe { sys::cuMemUnmap(p, page as usize) }
-                    .result()
-                    .and_then(|()| unsafe { sys::cuMemRelease(h) }.result());
-                if let Err(e) = r {
-                    first_err.get_or_insert(cuda_err("cuMemUnmap", e));
-                }
-            }
-            p += page;
-        }
-        first_err.map_or(Ok(()), Err)
+    fn pages(&self) -> Result<&Pages> {
+        self.pages
+            .as_deref()
+            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))
     }
 
     /// The cudarc context (primary context of the device).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ops.ctx
-    }
-
-    /// Read-write access to `[addr, addr + bytes)` (mapped) for this device and its peers.
-    fn set_access(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let descs: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
-            .chain(self.peers.read().iter().copied())
-            .map(|d| sys::CUmemAccessDesc {
-                location: device_location(d),
-                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-            })
-            .collect();
-        // SAFETY: the range is mapped (callers' contract); `descs` holds `len` descriptors.
-        unsafe { sys::cuMemSetAccess(addr, bytes as usize, descs.as_ptr(), descs.len()) }
-            .result()
-            .map_err(|e| cuda_err("cuMemSetAccess", e))
     }
 }
 
@@ -155,7 +88,7 @@ impl Resource for CudaDevice {
     }
 
     fn virtual_memory(&self) -> Option<&dyn VirtualMemory> {
-        self.page.is_some().then_some(self as &dyn VirtualMemory)
+        self.pages.is_some().then_some(self as &dyn VirtualMemory)
     }
 
     fn peer_access(&self) -> Option<&dyn PeerAccess> {
@@ -169,13 +102,11 @@ impl Resource for CudaDevice {
 
 impl VirtualMemory for CudaDevice {
     fn page_size(&self) -> u64 {
-        self.page.unwrap_or(0)
+        self.pages.as_deref().map_or(0, Pages::page)
     }
 
     fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
-        let page = self
-            .page
-            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))?;
+        let page = self.pages()?.page();
         self.ops.bind()?;
         let mut addr: sys::CUdeviceptr = 0;
         // SAFETY: `addr` is a valid out-pointer; reserving address space maps nothing.
@@ -194,16 +125,19 @@ impl VirtualMemory for CudaDevice {
 
     fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.ops.bind()?;
-        // SAFETY: the range came from `reserve_address` and nothing is mapped in it (contract).
+        if let Some(p) = &self.pages {
+            p.flush(addr, bytes); // unmaps still queued for this range happen first
+        }
+        // SAFETY: the range came from `reserve_address` and nothing is mapped in it (contract,
+        // and the flush above).
         unsafe { sys::cuMemAddressFree(addr, bytes as usize) }
             .result()
             .map_err(|e| cuda_err("cuMemAddressFree", e))
     }
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let page = self
-            .page
-            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))?;
+        let pages = self.pages()?;
+        let page = pages.page();
         if addr % page != 0 || bytes % page != 0 || bytes == 0 {
             return Err(Error::InvalidAlignment {
                 align: page as usize,
@@ -211,53 +145,22 @@ impl VirtualMemory for CudaDevice {
             });
         }
         self.ops.bind()?;
-        let prop = alloc_prop(self.ordinal);
-        let mut p = addr;
-        let mut failed = None;
-        while p < addr + bytes {
-            if self.handles.lock().contains_key(&p) {
-                failed = Some(Error::InvalidState(format!(
-                    "page {p:#x} is already mapped"
-                )));
-                break;
-            }
-            let mut h: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: `prop` is initialised; `h` is a valid out-pointer.
-            if let Err(e) = unsafe { sys::cuMemCreate(&mut h, page as usize, &prop, 0) }.result() {
-                failed = Some(alloc_err("cuMemCreate", page as usize, "cuMemCreate", e));
-                break;
-            }
-            // SAFETY: `p` is an unmapped page of reserved address space and `h` a fresh
-            // handle of one page.
-            if let Err(e) = unsafe { sys::cuMemMap(p, page as usize, 0, h, 0) }.result() {
-                // SAFETY: `h` is unmapped and ours.
-                let _ = unsafe { sys::cuMemRelease(h) };
-                failed = Some(cuda_err("cuMemMap", e));
-                break;
-            }
-            self.handles.lock().insert(p, h);
-            p += page;
-        }
-        if failed.is_none() {
-            if let Err(e) = self.set_access(addr, bytes) {
-                failed = Some(e);
-            }
-        }
-        match failed {
-            None => Ok(()),
-            Some(e) => {
-                // all or nothing: undo the pages mapped by this call
-                let _ = self.unmap_pages(addr, p - addr);
-                Err(e)
-            }
-        }
+        let peers = self.peers.read().clone();
+        pages.map(addr, bytes, &peers)
     }
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        self.page
-            .ok_or_else(|| unsupported(self.name(), "virtual-memory segments"))?;
-        self.ops.bind()?;
-        self.unmap_pages(addr, bytes)
+        self.pages()?.unmap(addr, bytes)
+    }
+
+    fn trim(&self) {
+        if let (Some(p), Ok(())) = (&self.pages, self.ops.bind()) {
+            p.trim();
+        }
+    }
+
+    fn calls(&self) -> VmmCalls {
+        self.pages.as_deref().map(Pages::calls).unwrap_or_default()
     }
 }
 
@@ -284,15 +187,19 @@ impl PeerAccess for CudaDevice {
                 count,
             });
         }
-        if peer == self.ordinal || self.page.is_none() || self.peers.read().contains(&peer) {
+        let Some(engine) = self.pages.as_deref() else {
+            return Ok(());
+        };
+        if peer == self.ordinal || self.peers.read().contains(&peer) {
             return Ok(());
         }
         self.peers.write().push(peer);
         // pages mapped so far, in runs of adjacent pages
-        let page = self.page.unwrap_or(1);
-        let mut pages: Vec<DevPtr> = self.handles.lock().keys().copied().collect();
+        let page = engine.page();
+        let mut pages = engine.mapped_pages();
         pages.sort_unstable();
         self.ops.bind()?;
+        let peers = self.peers.read().clone();
         let mut i = 0;
         while i < pages.len() {
             let start = pages[i];
@@ -301,7 +208,7 @@ impl PeerAccess for CudaDevice {
                 i += 1;
                 end += page;
             }
-            self.set_access(start, end - start)?;
+            engine.set_access(start, end - start, &peers)?;
             i += 1;
         }
         Ok(())
@@ -332,13 +239,10 @@ impl CudaDevice {
 
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        // pages a pool left mapped (it unmaps its own on drop; this is the safety net)
-        let pages: Vec<DevPtr> = self.handles.get_mut().keys().copied().collect();
-        if !pages.is_empty() && self.ops.bind().is_ok() {
-            let page = self.page.unwrap_or(1);
-            for p in pages {
-                let _ = self.unmap_pages(p, page);
-            }
+        // pages a pool left mapped (it unmaps its own on drop; this is the safety net), the
+        // queued ones and the spares
+        if let Some(p) = self.pages.take() {
+            p.shut_down();
         }
     }
 }

@@ -13,6 +13,7 @@ mod async_pool;
 pub mod cupti;
 mod device;
 mod managed;
+mod pages;
 mod pinned;
 pub(crate) mod query;
 
