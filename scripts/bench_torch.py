@@ -190,6 +190,8 @@ def worker(workload, setting, steps):
         "mixed": lambda: run_mixed(torch, steps),
     }[workload]()
     times, losses = [], []
+    warm = 3
+    calls_at_warm = None
     torch.cuda.synchronize()
     start = time.perf_counter()
     t = start
@@ -199,6 +201,10 @@ def worker(workload, setting, steps):
         now = time.perf_counter()
         times.append((now - t) * 1e3)
         t = now
+        if len(times) == warm and setting.startswith("gpumem"):
+            import gpumem_torch
+
+            calls_at_warm = gpumem_torch.memory_stats()
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -206,7 +212,7 @@ def worker(workload, setting, steps):
         stats = gpumem_torch.memory_stats()
     else:
         stats = torch.cuda.memory_stats()
-    warm = min(3, len(times) - 1)
+    warm = min(warm, len(times) - 1)
     out = {
         "workload": workload,
         "setting": setting,
@@ -221,8 +227,14 @@ def worker(workload, setting, steps):
         out["gpumem"] = {
             k: stats.get(k, 0)
             for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms",
-                      "mapped_bytes", "unmapped_bytes")
+                      "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
+                      "vmm_calls_background", "vmm_spare_bytes")
         }
+        # driver calls per step after warm-up (steady state: 0 for a periodic job)
+        if calls_at_warm is not None and len(times) > warm:
+            steady = len(times) - warm
+            for k in ("vmm_calls_foreground", "vmm_calls_background"):
+                out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -278,9 +290,14 @@ def main():
             same = "identical" if base and r["losses"] == base["losses"] else (
                 "n/a" if not base else
                 f"max rel diff {max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r['losses'], base['losses'])):.1e}")
+            calls = ""
+            if "gpumem" in r and "vmm_calls_foreground_per_step" in r["gpumem"]:
+                g = r["gpumem"]
+                calls = (f"  calls/step fg {g['vmm_calls_foreground_per_step']:.1f} "
+                         f"bg {g['vmm_calls_background_per_step']:.1f} syncs {g['num_unmap_syncs']}")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
-                  f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}")
+                  f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
