@@ -49,33 +49,6 @@ impl CachingPool {
         }
     }
 
-    /// The smallest free block of `stream` and `kind`, among the first few that fit, whose
-    /// pages under the first `size` bytes are all mapped: reusing it needs no driver call and
-    /// no page move (and the stream's own order makes the reuse safe however recently it was
-    /// freed), where a page move needs the pages to be known idle first. Taken out of its free
-    /// set.
-    pub(super) fn mapped_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
-        const SCAN: usize = 4;
-        let page = self.policy.page?;
-        let slot = self.slot_of(stream)?;
-        let found = self.free[slot][kind as usize]
-            .at_least(size)
-            .take(SCAN)
-            .find(|&(_, addr, id)| {
-                let s = &self.segments[self.blocks[id as usize].segment as usize];
-                let (p0, p1) = (
-                    (addr - s.addr) / page,
-                    (addr + size - s.addr).div_ceil(page),
-                );
-                s.pages
-                    .as_ref()
-                    .is_some_and(|pages| pages.next_with(p0, p1, false) >= p1)
-            })
-            .map(|(_, _, id)| id)?;
-        self.leave_free(found);
-        Some(found)
-    }
-
     /// Address space reserved for one expandable segment.
     pub(super) fn va_size(&self, size: u64) -> u64 {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);

@@ -108,11 +108,6 @@ impl CachingPool {
 
     pub(super) fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
         let kind = Self::kind_of(size);
-        if self.policy.page.is_some() {
-            if let Some(id) = self.mapped_fit(stream, size, kind) {
-                return self.place_expandable(Some(id), stream, size, kind);
-            }
-        }
         let id = match self.best_fit(stream, size, kind) {
             Some(id) => Some(id),
             None if !self.quick.is_empty() => {
