@@ -42,7 +42,8 @@ fn main() {
             dev.map(to, bytes).expect("map");
             map_s += t.elapsed().as_secs_f64();
         }
-        dev.unmap(base + (reps % slots) * bytes, bytes).expect("unmap");
+        dev.unmap(base + (reps % slots) * bytes, bytes)
+            .expect("unmap");
         let t = Instant::now();
         dev.trim();
         let drain = t.elapsed().as_secs_f64();

@@ -388,7 +388,10 @@ fn expandable_unmaps_only_after_pending_work_completes() {
              // 100 MiB does not fit in x's hole: x's pages would back it, but are busy
     let y = DeviceBuffer::<u8>::alloc(&a, s, 100 * MIB).unwrap();
     let stats = a.stats();
-    assert_eq!(stats.unmapped_bytes, 0, "x's pages stay while the kernel runs");
+    assert_eq!(
+        stats.unmapped_bytes, 0,
+        "x's pages stay while the kernel runs"
+    );
     assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
     st.synchronize().unwrap();
     let got = out.to_vec().unwrap();

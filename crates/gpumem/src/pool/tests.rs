@@ -525,7 +525,11 @@ fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
     let s = p.stats();
     assert_eq!(s.num_unmap_syncs, 0);
     assert_eq!(dev.counters().syncs, 0);
-    assert!(s.unmapped_bytes >= 98 * MIB, "unmapped {}", s.unmapped_bytes);
+    assert!(
+        s.unmapped_bytes >= 98 * MIB,
+        "unmapped {}",
+        s.unmapped_bytes
+    );
     // emptying the cache is allowed to wait (as PyTorch's does); it gives back the rest
     p.empty_cache();
     p.check_invariants().unwrap();
@@ -568,7 +572,10 @@ fn expandable_moves_another_streams_pages_once_its_free_checkpoint_completes() {
     free(&mut p, a); // stream A's pages are free; A may be destroyed by now
     let _b = alloc(&mut p, B, 100 * MIB);
     let s = p.stats();
-    assert_eq!(s.unmapped_bytes, 0, "A's work may still run: its pages stay");
+    assert_eq!(
+        s.unmapped_bytes, 0,
+        "A's work may still run: its pages stay"
+    );
     assert_eq!(dev.counters().syncs, 0, "no device-wide wait");
     // the event recorded when A's block was freed completes: A's pages are idle
     dev.complete_events();

@@ -1,8 +1,8 @@
 //! Device memory: cuMemAlloc segments and virtual-memory pages.
 
+use super::pages::{self, Pages};
 use super::*;
 use crate::resource::registry::check_request;
-use super::pages::{self, Pages};
 use crate::resource::{unsupported, HostRegistration, PeerAccess, VirtualMemory, VmmCalls};
 
 /// Device memory from cuMemAlloc / cuMemFree (synchronous, the driver's own allocator), and

@@ -101,9 +101,8 @@ pub(super) fn probe(ordinal: usize) -> Option<(u64, sys::CUmemAllocationHandleTy
     if attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? == 0 {
         return None;
     }
-    let fd = attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)
-        .unwrap_or(0)
-        != 0;
+    let fd =
+        attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED).unwrap_or(0) != 0;
     let handle_type = if fd {
         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     } else {
@@ -198,7 +197,9 @@ impl Pages {
                 .map(|i| addr + i * page)
                 .find(|p| st.mapped.contains_key(p))
             {
-                return Err(Error::InvalidState(format!("page {p:#x} is already mapped")));
+                return Err(Error::InvalidState(format!(
+                    "page {p:#x} is already mapped"
+                )));
             }
             let keep = st.spare.len().saturating_sub(n);
             st.spare.split_off(keep)
