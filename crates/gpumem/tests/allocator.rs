@@ -301,3 +301,20 @@ fn raw_resources_refuse_absurd_sizes_without_panicking() {
     assert!(h.allocate(S, usize::MAX, 256).is_err());
     assert!(h.allocate(S, 64, usize::MAX).is_err());
 }
+
+/// Active peaks follow their currents before any block has waited on events (they read 0 once).
+#[test]
+fn active_peaks_follow_current_without_deferred_frees() {
+    let a = host();
+    let x = a.allocate(S, 1 << 20, 256).unwrap();
+    let s = a.stats();
+    assert_eq!(s.active_bytes.all.current, 1 << 20);
+    assert_eq!(s.active_bytes.all.peak, 1 << 20);
+    assert_eq!(s.active.all.peak, 1);
+    assert!(
+        !a.memory_summary().contains("Peak 0 B"),
+        "{}",
+        a.memory_summary()
+    );
+    a.deallocate(x).unwrap();
+}

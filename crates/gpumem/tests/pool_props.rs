@@ -21,6 +21,7 @@ enum Op {
     EmptyCache,
     CompleteEvents,
     Huge,
+    ResetPeak,
 }
 
 fn size() -> impl Strategy<Value = u64> {
@@ -40,6 +41,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::EmptyCache),
         2 => Just(Op::CompleteEvents),
         1 => Just(Op::Huge),
+        1 => Just(Op::ResetPeak),
     ]
 }
 
@@ -95,6 +97,60 @@ fn check(alloc: &CachingAllocator, live: &[Live]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The statistics whose peak must be exactly the highest current seen since the last reset
+/// (they grow only when a block is handed out, so a check after every step sees each peak).
+const EXACT_PEAKS: [&str; 5] = [
+    "allocation",
+    "allocated_bytes",
+    "requested_bytes",
+    "active",
+    "active_bytes",
+];
+
+/// A model of the peaks: the highest current of every statistic seen since the last reset.
+#[derive(Default)]
+struct Peaks(std::collections::BTreeMap<String, u64>);
+
+impl Peaks {
+    fn reset(&mut self, alloc: &CachingAllocator) {
+        self.0.clear();
+        self.observe(alloc);
+    }
+
+    fn observe(&mut self, alloc: &CachingAllocator) {
+        for (k, v) in alloc.stats().to_flat_map() {
+            if let Some(name) = k.strip_suffix(".current") {
+                let m = self.0.entry(name.to_string()).or_default();
+                *m = (*m).max(v);
+            }
+        }
+    }
+
+    /// Every peak is at least its current and the model's maximum; the exact ones equal it.
+    fn check(&self, alloc: &CachingAllocator) -> Result<(), TestCaseError> {
+        let flat = alloc.stats().to_flat_map();
+        for (name, &max) in &self.0 {
+            let (Some(&peak), Some(&cur)) = (
+                flat.get(&format!("{name}.peak")),
+                flat.get(&format!("{name}.current")),
+            ) else {
+                continue;
+            };
+            prop_assert!(peak >= cur, "{name}: peak {peak} below current {cur}");
+            let stat = name.split('.').next().unwrap_or_default();
+            if EXACT_PEAKS.contains(&stat) {
+                prop_assert_eq!(peak, max, "{}: peak is not the highest current seen", name);
+            } else {
+                prop_assert!(
+                    peak >= max,
+                    "{name}: peak {peak} below a current seen ({max})"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 fn run(conf: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let dev = Arc::new(SimulatedDevice::new(CAPACITY));
     dev.set_auto_complete(false);
@@ -107,6 +163,7 @@ fn run(conf: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
     // blocks freed while another stream was recorded, whose events have not completed
     let mut pending: Vec<(u64, u64)> = Vec::new();
     let mut syncs = 0;
+    let mut peaks = Peaks::default();
     for op in ops {
         match op {
             Op::Alloc {
@@ -173,9 +230,15 @@ fn run(conf: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     "a request above capacity must be OOM"
                 );
             }
+            Op::ResetPeak => {
+                alloc.reset_peak();
+                peaks.reset(&alloc);
+            }
             _ => {}
         }
         check(&alloc, &live)?;
+        peaks.observe(&alloc);
+        peaks.check(&alloc)?;
     }
     for l in live.drain(..) {
         alloc

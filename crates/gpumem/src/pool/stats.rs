@@ -336,9 +336,8 @@ impl HotStats {
                 // from now on active peaks are tracked on their own, starting from the
                 // allocated peaks they equalled so far
                 self.pending_seen = true;
-                let (c, b) = (self.allocation.snapshot(), self.allocated_bytes.snapshot());
-                self.active_peak = [c.small_pool.peak, c.large_pool.peak, c.all.peak];
-                self.active_bytes_peak = [b.small_pool.peak, b.large_pool.peak, b.all.peak];
+                self.active_peak = Self::peaks(&self.allocation);
+                self.active_bytes_peak = Self::peaks(&self.allocated_bytes);
             }
             self.pending.inc(k, 1);
             self.pending_bytes.inc(k, size);
@@ -409,16 +408,29 @@ impl HotStats {
         }
     }
 
+    /// Peaks of `base` by pool (small, large, all).
+    fn peaks(base: &Tri) -> [u64; 3] {
+        let s = base.snapshot();
+        [s.small_pool.peak, s.large_pool.peak, s.all.peak]
+    }
+
     fn active(&self) -> StatArray {
-        Self::derived(&self.allocation, &self.pending, &self.active_peak)
+        // until a block has waited on events, active is allocated, peaks included
+        let peaks = if self.pending_seen {
+            self.active_peak
+        } else {
+            Self::peaks(&self.allocation)
+        };
+        Self::derived(&self.allocation, &self.pending, &peaks)
     }
 
     fn active_bytes(&self) -> StatArray {
-        Self::derived(
-            &self.allocated_bytes,
-            &self.pending_bytes,
-            &self.active_bytes_peak,
-        )
+        let peaks = if self.pending_seen {
+            self.active_bytes_peak
+        } else {
+            Self::peaks(&self.allocated_bytes)
+        };
+        Self::derived(&self.allocated_bytes, &self.pending_bytes, &peaks)
     }
 
     /// The public statistics.
