@@ -56,9 +56,9 @@ enum Command {
         /// Seed.
         #[arg(long, default_value_t = 7)]
         seed: u64,
-        /// Multiplies the number of steps.
-        #[arg(long, default_value_t = 1)]
-        scale: usize,
+        /// Multiplies the number of steps (1 to 100).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+        scale: u64,
     },
     /// Draw a trace: memory timeline and segment map at the peak, as one self-contained HTML
     /// file.
@@ -68,9 +68,10 @@ enum Command {
         /// Output HTML file.
         #[arg(short, long, default_value = "memory.html")]
         output: std::path::PathBuf,
-        /// Policy whose replay is drawn (configuration string; default: gpumem's default).
-        #[arg(long, default_value = "")]
-        conf: String,
+        /// Policy whose replay is drawn (configuration string; default: GPUMEM_CONF, else
+        /// gpumem's default).
+        #[arg(long)]
+        conf: Option<String>,
     },
     /// Benchmarks.
     Bench {
@@ -87,15 +88,15 @@ enum BenchWhat {
         /// Print `{"device": ..., "rows": [...]}` instead of a table.
         #[arg(long)]
         json: bool,
-        /// Timed alloc+free pairs in `same_size`.
-        #[arg(long, default_value_t = 1_000_000)]
-        pairs: usize,
-        /// Timed operations per thread in the `random_256_live` scenarios.
-        #[arg(long, default_value_t = 262_144)]
-        ops: usize,
-        /// Threads of the multi-threaded scenario.
-        #[arg(long, default_value_t = 8)]
-        threads: usize,
+        /// Timed alloc+free pairs in `same_size` (1 to 100,000,000).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+        pairs: u64,
+        /// Timed operations per thread in the `random_256_live` scenarios (1 to 100,000,000).
+        #[arg(long, default_value_t = 262_144, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+        ops: u64,
+        /// Threads of the multi-threaded scenario (1 to 256).
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
+        threads: u64,
         /// CUDA device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -112,9 +113,10 @@ enum BenchWhat {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// Largest size in MiB (sizes are 64 KiB, 1, 16, 64, 256, 1024 MiB up to this).
-        #[arg(long, default_value_t = 1024)]
-        max_mib: usize,
+        /// Largest size in MiB, 1 to 1024 (sizes are 64 KiB, 1, 16, 64, 256, 1024 MiB up to
+        /// this).
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1024))]
+        max_mib: u64,
         /// CUDA device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
@@ -139,9 +141,9 @@ enum BenchWhat {
         /// CUDA device ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
-        /// Repetitions per figure (medians).
-        #[arg(long, default_value_t = 10)]
-        reps: usize,
+        /// Repetitions per figure (medians), 1 to 1000.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        reps: u64,
     },
 }
 
@@ -160,12 +162,12 @@ fn main() -> ExitCode {
             output,
             seed,
             scale,
-        } => cmd::synth::run(&kind, &output, seed, scale),
+        } => cmd::synth::run(&kind, &output, seed, scale as usize),
         Command::Viz {
             trace,
             output,
             conf,
-        } => cmd::viz::write(&trace, &output, &conf),
+        } => cmd::viz::write(&trace, &output, conf.as_deref()),
         Command::Bench {
             what:
                 BenchWhat::Alloc {
@@ -180,9 +182,9 @@ fn main() -> ExitCode {
         } => cmd::bench_alloc::run(AllocArgs {
             json,
             plan: Plan {
-                pairs,
-                ops,
-                threads: threads.max(1),
+                pairs: pairs as usize,
+                ops: ops as usize,
+                threads: threads as usize,
             },
             device,
             host,
@@ -200,14 +202,14 @@ fn main() -> ExitCode {
                 },
         } => {
             if peer {
-                cmd::bench_transfer::run_peer(json, max_mib)
+                cmd::bench_transfer::run_peer(json, max_mib as usize)
             } else {
-                cmd::bench_transfer::run(json, max_mib, device, host, conf)
+                cmd::bench_transfer::run(json, max_mib as usize, device, host, conf)
             }
         }
         Command::Bench {
             what: BenchWhat::Unified { json, device, reps },
-        } => cmd::bench_unified::run(json, device, reps.max(1)),
+        } => cmd::bench_unified::run(json, device, reps as usize),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

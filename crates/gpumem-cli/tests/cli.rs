@@ -241,3 +241,142 @@ fn gpu_only_benches_say_why_without_a_gpu() {
     let (ok, _, err) = gpumem(&["bench", "transfer", "--peer"]);
     assert!(!ok && err.contains("two CUDA GPUs"), "{err}");
 }
+
+/// Every command on a battery of bad inputs: a non-zero exit, a message naming the problem,
+/// no panic, and done within seconds.
+#[test]
+fn bad_inputs_are_refused_clearly_and_quickly() {
+    let dir = std::env::temp_dir().join(format!("gpumem-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let empty = file("empty.jsonl", "");
+    let segments = file(
+        "segments.jsonl",
+        "{\"action\":\"segment_alloc\",\"addr\":1,\"size\":100}\n",
+    );
+    let frees = file(
+        "frees.jsonl",
+        "{\"action\":\"free_requested\",\"addr\":1,\"size\":100}\n",
+    );
+    let huge = file(
+        "huge.jsonl",
+        "{\"action\":\"alloc\",\"addr\":1,\"size\":1099511627776000}\n\
+         {\"action\":\"free_completed\",\"addr\":1,\"size\":1099511627776000}\n",
+    );
+    let garbage = file("garbage.jsonl", "not json\n");
+    let out = dir.join("out.html").display().to_string();
+    let cases: Vec<(Vec<&str>, &str, Option<&str>)> = vec![
+        (vec!["viz", &empty, "-o", &out], "no allocations", None),
+        (vec!["viz", &segments, "-o", &out], "no allocations", None),
+        (vec!["viz", &frees, "-o", &out], "no allocations", None),
+        (
+            vec!["viz", &huge, "-o", &out],
+            "larger than the simulated device",
+            None,
+        ),
+        (vec!["replay", &huge], "line 1", None),
+        (vec!["replay", &garbage], "garbage.jsonl:1", None),
+        (
+            vec!["replay", "/nonexistent/trace.jsonl"],
+            "nonexistent",
+            None,
+        ),
+        (
+            vec!["replay", "--conf", "", &segments],
+            "empty configuration",
+            None,
+        ),
+        (vec!["replay", &segments], "bogus", Some("bogus:1")),
+        (
+            vec!["viz", &segments, "--conf", "", "-o", &out],
+            "no allocations",
+            None,
+        ),
+        (
+            vec!["bench", "alloc", "--host", "--ops", "0"],
+            "--ops",
+            None,
+        ),
+        (
+            vec!["bench", "alloc", "--host", "--pairs", "0"],
+            "--pairs",
+            None,
+        ),
+        (
+            vec!["bench", "alloc", "--host", "--threads", "100000"],
+            "--threads",
+            None,
+        ),
+        (
+            vec!["bench", "alloc", "--host", "--threads=-1"],
+            "--threads",
+            None,
+        ),
+        (
+            vec!["bench", "alloc", "--host", "--conf", "shards:0"],
+            "shards",
+            None,
+        ),
+        (
+            vec!["bench", "transfer", "--host", "--max-mib", "0"],
+            "--max-mib",
+            None,
+        ),
+        (
+            vec!["bench", "transfer", "--host", "--max-mib", "99999999999"],
+            "--max-mib",
+            None,
+        ),
+        (vec!["bench", "unified", "--reps", "0"], "--reps", None),
+        (
+            vec!["synth", "variable_seq_len", "-o", &out, "--scale", "0"],
+            "--scale",
+            None,
+        ),
+        (
+            vec![
+                "synth",
+                "variable_seq_len",
+                "-o",
+                &out,
+                "--scale",
+                "100000000",
+            ],
+            "--scale",
+            None,
+        ),
+        (
+            vec!["synth", "no_such_kind", "-o", &out],
+            "unknown workload",
+            None,
+        ),
+        (vec!["info"], "bogus", Some("bogus:1")),
+    ];
+    for (args, needle, conf) in cases {
+        let start = std::time::Instant::now();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+        cmd.args(&args).env_remove("GPUMEM_CONF");
+        if let Some(c) = conf {
+            cmd.env("GPUMEM_CONF", c);
+        }
+        let o = cmd.output().expect("run gpumem");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} succeeded: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+        assert!(err.contains(needle), "{args:?}: `{needle}` not in: {err}");
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "{args:?} took {:?}",
+            start.elapsed()
+        );
+    }
+    // an empty trace is handled: said to be empty, not an all-zero table
+    let (ok, text, _) = gpumem(&["replay", &empty]);
+    assert!(ok);
+    assert!(text.contains("empty"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

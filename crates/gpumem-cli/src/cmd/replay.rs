@@ -1,7 +1,7 @@
 //! `gpumem replay`: the demand of traces through gpumem's policies, on the simulator and
 //! optionally a real device, beside what each trace's own allocator reserved.
 
-use crate::output::{emit, Result};
+use crate::output::{config_from, emit, Result};
 use gpumem::units::human;
 use gpumem::Config;
 use serde::Serialize;
@@ -19,18 +19,63 @@ pub fn run(
     json: bool,
     device: Option<usize>,
 ) -> Result<()> {
+    // the gpumem rows follow GPUMEM_CONF where it is set (an invalid one is an error)
+    let base = config_from(None)?;
+    let from_env = std::env::var(gpumem::config::ENV_VAR).is_ok();
+    let mut no_vmm = base.clone();
+    no_vmm.pool.expandable_segments = false;
     let mut policies = vec![
-        ("gpumem".to_string(), Config::default()),
         (
-            "gpumem (no VMM)".to_string(),
-            Config::parse("expandable_segments:False")?,
+            if from_env {
+                "gpumem (GPUMEM_CONF)"
+            } else {
+                "gpumem"
+            }
+            .to_string(),
+            base,
         ),
+        ("gpumem (no VMM)".to_string(), no_vmm),
     ];
     for c in confs {
+        if c.trim().is_empty() {
+            return Err(
+                "--conf \"\": an empty configuration string names no policy (the \
+                        `gpumem` row is the default policy)"
+                    .into(),
+            );
+        }
         policies.push((c.clone(), Config::parse(c)?));
     }
     for path in traces {
         let events = gpumem::trace::read_trace(path)?;
+        if !events
+            .iter()
+            .any(|e| e.action == gpumem::trace::Action::Alloc)
+        {
+            let what = if events.is_empty() {
+                "empty"
+            } else {
+                "without allocations"
+            };
+            if json {
+                emit(
+                    true,
+                    &ReplayOut {
+                        trace: path.display().to_string(),
+                        events: events.len(),
+                        policies: vec![],
+                    },
+                    |_| {},
+                )?;
+            } else {
+                println!(
+                    "{} ({} events): the trace is {what}: nothing to replay",
+                    path.display(),
+                    events.len()
+                );
+            }
+            continue;
+        }
         let mut out = ReplayOut {
             trace: path.display().to_string(),
             events: events.len(),
@@ -38,8 +83,10 @@ pub fn run(
         };
         let err = |e: gpumem::Error| format!("{}: {e}", path.display());
         for (name, config) in &policies {
-            out.policies
-                .push(gpumem::trace::replay(name, &events, config, 1 << 50).map_err(err)?);
+            out.policies.push(
+                gpumem::trace::replay(name, &events, config, gpumem::trace::SIM_CAPACITY)
+                    .map_err(err)?,
+            );
         }
         if let Some(ordinal) = device {
             for (name, config) in &policies {
@@ -100,6 +147,11 @@ fn replay_on_device(
 fn print(out: &ReplayOut) {
     println!("{} ({} events)", out.trace, out.events);
     println!(
+        "  (ratio: peak reserved / peak live; segs and largest free: at the reserved peak; \
+         calls: driver allocations, frees, page maps and unmaps; syncs: host waits before \
+         unmapping)"
+    );
+    println!(
         "  {:<28} {:<10} {:>10} {:>13} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5}",
         "policy",
         "backend",
@@ -113,6 +165,18 @@ fn print(out: &ReplayOut) {
         "syncs"
     );
     for p in &out.policies {
+        if p.backend == "trace" && p.device_calls == 0 {
+            // a trace with no segment events (a synthetic one) says nothing of an allocator
+            println!(
+                "  {:<28} {:<10} {:>10} {:>13} {:>6}  (the trace records no segments)",
+                p.name,
+                p.backend,
+                human(p.peak_live_bytes),
+                "n/a",
+                "n/a"
+            );
+            continue;
+        }
         println!(
             "  {:<28} {:<10} {:>10} {:>13} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5}",
             p.name,

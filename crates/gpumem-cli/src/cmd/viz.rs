@@ -11,7 +11,6 @@ use crate::output::Result;
 use gpumem::pool::SegmentInfo;
 use gpumem::trace::{Action, Replay, TraceEvent};
 use gpumem::units::human;
-use gpumem::Config;
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -22,11 +21,23 @@ const BANDS: usize = 160;
 const W: f64 = 1200.0;
 const H: f64 = 420.0;
 
-pub fn write(trace: &Path, output: &Path, conf: &str) -> Result<()> {
+pub fn write(trace: &Path, output: &Path, conf: Option<&str>) -> Result<()> {
     let events = gpumem::trace::read_trace(trace)?;
-    let config = Config::parse(conf)?;
-    let name = if conf.is_empty() { "gpumem" } else { conf };
-    let make = || Ok(gpumem::trace::simulated(1 << 50));
+    if !events.iter().any(|e| e.action == Action::Alloc) {
+        return Err(format!(
+            "{}: the trace has no allocations ({} events): nothing to draw",
+            trace.display(),
+            events.len()
+        )
+        .into());
+    }
+    if conf.is_some_and(|c| c.trim().is_empty()) {
+        return Err("--conf \"\": an empty configuration string names no policy".into());
+    }
+    // --conf, else GPUMEM_CONF, else the default policy
+    let config = crate::output::config_from(conf)?;
+    let name = conf.unwrap_or("gpumem");
+    let make = || Ok(gpumem::trace::simulated(gpumem::trace::SIM_CAPACITY));
     let replay = gpumem::trace::replay_detailed(name, &events, &config, &make, &gpumem::Stream)
         .map_err(|e| format!("{}: {e}", trace.display()))?;
     let html = render(&trace.display().to_string(), &events, &replay);

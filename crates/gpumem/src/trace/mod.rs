@@ -20,7 +20,9 @@ pub use crate::pool::record::{Action, TraceEvent};
 mod replay;
 pub mod synthetic;
 
-pub use replay::{recorded, replay, replay_detailed, simulated, PolicyReport, Replay};
+pub use replay::{
+    recorded, replay, replay_detailed, simulated, PolicyReport, Replay, SIM_CAPACITY,
+};
 
 fn bad(path: &str, line: usize, what: impl std::fmt::Display) -> Error {
     Error::Trace(format!("{path}:{line}: {what}"))

@@ -115,6 +115,10 @@ pub fn replay(
     Ok(replay_detailed(name, events, config, &|| Ok(simulated(capacity)), &Stream)?.report)
 }
 
+/// Capacity of the simulated device replays run on: 4 TiB, more than any GPU has, and small
+/// enough that the simulator's page tables stay bounded whatever a trace asks for.
+pub const SIM_CAPACITY: u64 = 1 << 42;
+
 /// A simulated device of `capacity` bytes, as a backend to replay on.
 pub fn simulated(capacity: u64) -> Arc<dyn Backend> {
     Arc::new(SimulatedDevice::new(capacity))
@@ -133,6 +137,28 @@ pub fn replay_detailed(
     backend: &dyn Fn() -> Result<Arc<dyn Backend>>,
     stream: &dyn Fn(u64) -> Stream,
 ) -> Result<Replay> {
+    // a request larger than the device fails at once, with its line, instead of growing the
+    // simulator's page tables without bound
+    let first = backend()?;
+    let capacity = first
+        .limit()
+        .or_else(|| first.mem_info().ok().map(|m| m.total));
+    if let Some(cap) = capacity {
+        if let Some((i, e)) = events
+            .iter()
+            .enumerate()
+            .find(|(_, e)| e.action == Action::Alloc && e.size > cap)
+        {
+            return Err(Error::Trace(format!(
+                "{}: an allocation of {} bytes is larger than the {} device ({} bytes)",
+                e.place(i),
+                e.size,
+                first.name(),
+                cap
+            )));
+        }
+    }
+    drop(first);
     let start = Instant::now();
     let replayed = run(events, config, backend()?, stream, usize::MAX, |_, _| {})?.0;
     let ns_per_event = start.elapsed().as_nanos() as f64 / replayed.max(1) as f64;
