@@ -345,6 +345,7 @@ fn print(out: &BenchOut) {
     }
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     for alloc in names {
         let one = rows
             .iter()
@@ -352,7 +353,7 @@ fn print(out: &BenchOut) {
         let many = rows.iter().find(|r| r.allocator == alloc && r.threads > 1);
         if let (Some(one), Some(many)) = (one, many) {
             println!(
-                "{alloc}: {} threads give {:.1}x the single-thread throughput ({:.1} vs {:.1} ns/op, wall time / ops)",
+                "{alloc}: {} threads on {cores} cores give {:.1}x the single-thread throughput ({:.1} vs {:.1} ns/op, wall time / ops)",
                 many.threads,
                 one.mean_ns_per_op / many.mean_ns_per_op,
                 many.mean_ns_per_op,
