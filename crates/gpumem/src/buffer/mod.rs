@@ -1,4 +1,4 @@
-//! Typed RAII buffers.
+//! Typed RAII buffers over a [`crate::Device`], and the ring bridge beside them.
 //!
 //! [`DeviceBuffer<T>`] holds `len` elements of a plain-old-data `T` in pool memory, returns its
 //! block to the pool on drop (ordered on its stream), and checks every index and range. With
