@@ -10,7 +10,7 @@
 use crate::output::Result;
 use gpumem::pool::SegmentInfo;
 use gpumem::trace::{Action, Replay, TraceEvent};
-use gpumem::units::human;
+use gpumem::units::{human, size_label};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -164,17 +164,37 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
         svg,
         r##"<svg width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11">"##
     );
-    // axes and grid
-    for k in 0..=5 {
-        let b = (ymax / 1.05 * k as f64 / 5.0) as u64;
+    // axes and grid: round byte ticks, and round event ticks along the bottom
+    let ystep = nice_step(ymax as u64, 6, &BYTE_UNITS);
+    let mut b = 0u64;
+    while (b as f64) <= ymax {
         let yy = y(b);
         let _ = write!(
             svg,
             r##"<line x1="60" x2="{}" y1="{yy:.1}" y2="{yy:.1}" stroke="#ddd"/><text x="55" y="{:.1}" text-anchor="end">{}</text>"##,
             W - 20.0,
             yy + 4.0,
-            human(b)
+            if b == 0 {
+                "0".to_string()
+            } else {
+                size_label(b)
+            }
         );
+        b += ystep;
+    }
+    let xstep = nice_step(n as u64, 10, &COUNT_UNITS);
+    let mut i = 0u64;
+    while i <= n as u64 {
+        let xx = x(i as usize);
+        let _ = write!(
+            svg,
+            r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="{:.1}" y2="{:.1}" stroke="#999"/><text x="{xx:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
+            H - 40.0,
+            H - 36.0,
+            H - 26.0,
+            count_label(i)
+        );
+        i += xstep;
     }
     // "other" live bytes above the bands
     let mut pts = String::new();
@@ -223,7 +243,11 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
         }
         d
     };
-    let rec = line(&mut recorded.iter().copied().enumerate().step_by(step));
+    let rec = if recorded.iter().any(|&r| r > 0) {
+        line(&mut recorded.iter().copied().enumerate().step_by(step))
+    } else {
+        String::new() // no recording allocator in the trace: no line
+    };
     let ours = line(
         &mut replay
             .timeline
@@ -234,17 +258,38 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
     );
     let _ = write!(
         svg,
-        r##"<path d="{rec}" fill="none" stroke="#d62728" stroke-width="1.6" stroke-dasharray="5,3"><title>recorded allocator: reserved</title></path><path d="{ours}" fill="none" stroke="#1f3fbf" stroke-width="1.8"><title>{}: reserved</title></path>"##,
+        r##"<path d="{ours}" fill="none" stroke="#1f3fbf" stroke-width="3.5"><title>{}: reserved</title></path><path d="{rec}" fill="none" stroke="#d62728" stroke-width="1.6" stroke-dasharray="6,4"><title>recorded allocator: reserved</title></path>"##,
         esc(&report.name)
     );
     let _ = write!(
         svg,
-        r##"<text x="{}" y="{}" text-anchor="middle">allocator events (allocations and frees) →</text></svg>"##,
+        r##"<text x="{}" y="{}" text-anchor="middle">allocator events: allocations and frees, in trace order →</text></svg>"##,
         W / 2.0,
         H - 12.0
     );
 
     let recorded_report = gpumem::trace::recorded(events);
+    // a trace with no segment events (a synthetic one) says nothing of an allocator
+    let has_recorder = recorded_report.device_calls > 0;
+    let recorded_row = if has_recorder {
+        format!(
+            "<tr><td>recorded</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>–</td></tr>",
+            human(recorded_report.peak_live_bytes),
+            human(recorded_report.peak_reserved_bytes),
+            recorded_report.ratio,
+            recorded_report.segments_at_peak
+        )
+    } else {
+        format!(
+            "<tr><td>recorded</td><td>{}</td><td colspan=\"4\">n/a: the trace records no segments</td></tr>",
+            human(recorded_report.peak_live_bytes)
+        )
+    };
+    let recorded_legend = if has_recorder {
+        r##"<span><i class="sw" style="height:2px;background:repeating-linear-gradient(90deg,#d62728 0 6px,transparent 6px 10px)"></i>recorded allocator reserved (dashed, drawn on top)</span>"##
+    } else {
+        ""
+    };
     let mut html = String::new();
     let _ = write!(
         html,
@@ -261,16 +306,12 @@ th {{ background: #f3f3f3; }} td:first-child, th:first-child {{ text-align: left
 </style></head><body>
 <h1>Memory of {t}</h1>
 <table><tr><th>allocator</th><th>peak live</th><th>peak reserved</th><th>reserved / live</th><th>segments at peak</th><th>largest free at peak</th></tr>
-<tr><td>recorded</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>–</td></tr>
+{recorded_row}
 <tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td></tr></table>
 <h2>Timeline</h2>
-<div class="legend"><span><i class="sw" style="background:hsl(47,60%,62%)"></i>the {BANDS} biggest allocations (those live at the peak first), stacked in the order they were made</span><span><i class="sw" style="background:#c8c8c8"></i>all other live bytes</span><span><i class="sw" style="background:#1f3fbf"></i>{} reserved</span><span><i class="sw" style="background:#d62728"></i>recorded allocator reserved</span></div>
+<div class="legend"><span><i class="sw" style="width:36px;background:linear-gradient(90deg,hsl(0,60%,62%),hsl(94,60%,62%),hsl(188,60%,62%),hsl(282,60%,62%))"></i>the {BANDS} biggest allocations, one colour each (those live at the peak first), stacked in the order they were made</span><span><i class="sw" style="background:#c8c8c8"></i>all other live bytes</span><span><i class="sw" style="height:4px;background:#1f3fbf"></i>{} reserved (thick)</span>{recorded_legend}</div>
 {svg}
 "##,
-        human(recorded_report.peak_live_bytes),
-        human(recorded_report.peak_reserved_bytes),
-        recorded_report.ratio,
-        recorded_report.segments_at_peak,
         esc(&report.name),
         human(report.peak_live_bytes),
         human(report.peak_reserved_bytes),
@@ -285,25 +326,39 @@ th {{ background: #f3f3f3; }} td:first-child, th:first-child {{ text-align: left
     html
 }
 
-/// The segment map: one row per segment (per mapped range of an expandable segment), scaled
-/// to the largest row.
+/// The segment map: one row per segment, labelled (pool, stream, address, size), on one scale
+/// (the widest row fills the width); an expandable segment's row spans its mapped pages, with
+/// the unmapped gaps between them left blank.
 fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
-    // rows: (label, start address, bytes, blocks clipped to the row)
-    let mut rows: Vec<(String, u64, u64)> = Vec::new();
+    // rows: (label, start, span, the segment)
+    let mut rows: Vec<(String, u64, u64, &SegmentInfo)> = Vec::new();
     for s in segments {
-        for &(a, len) in &s.mapped {
-            let label = if s.expandable {
-                format!(
-                    "{:?} pool, expandable, pages {:#x}+{}",
-                    s.kind,
-                    a,
-                    human(len)
-                )
-            } else {
-                format!("{:?} pool segment {:#x}", s.kind, a)
-            };
-            rows.push((label, a, len));
-        }
+        let (Some(lo), Some(hi)) = (
+            s.mapped.iter().map(|m| m.0).min(),
+            s.mapped.iter().map(|m| m.0 + m.1).max(),
+        ) else {
+            continue;
+        };
+        let mapped: u64 = s.mapped.iter().map(|m| m.1).sum();
+        let label = if s.expandable {
+            format!(
+                "{:?} pool, stream {}, expandable: {} mapped in {} piece{} over {} at {lo:#x}",
+                s.kind,
+                s.stream.0,
+                human(mapped),
+                s.mapped.len(),
+                if s.mapped.len() == 1 { "" } else { "s" },
+                human(hi - lo)
+            )
+        } else {
+            format!(
+                "{:?} pool, stream {}, segment of {} at {lo:#x}",
+                s.kind,
+                s.stream.0,
+                human(s.size)
+            )
+        };
+        rows.push((label, lo, hi - lo, s));
     }
     let (mut used, mut rounding, mut free) = (0u64, 0u64, 0u64);
     for s in segments {
@@ -324,10 +379,11 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
     let mut out = String::new();
     let _ = write!(
         out,
-        r##"<h2>Segment map at the reserved peak ({})</h2>
-<div class="legend"><span><i class="sw" style="background:#2b6cb0"></i>requested bytes: {}</span><span><i class="sw" style="background:#90cdf4"></i>rounding inside blocks: {}</span><span><i class="sw" style="background:#f6ad55"></i>free but reserved (cached or fragmented): {}</span></div>
+        r##"<h2>Segment map at the reserved peak ({}, {} segments)</h2>
+<div class="legend"><span><i class="sw" style="background:#2b6cb0"></i>requested bytes: {}</span><span><i class="sw" style="background:#90cdf4"></i>rounding inside blocks: {}</span><span><i class="sw" style="background:#f6ad55"></i>free but reserved (cached or fragmented): {}</span><span><i class="sw" style="background:#fff;border:1px solid #bbb"></i>not mapped (expandable segments)</span></div>
 "##,
         esc(policy),
+        rows.len(),
         human(used),
         human(rounding),
         human(free)
@@ -336,28 +392,53 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
         out.push_str("<p>nothing reserved</p>");
         return out;
     }
-    let max = rows.iter().map(|r| r.2).max().unwrap_or(1).max(1) as f64;
-    let shown = rows.len().min(400);
-    let row_h = 16.0;
-    let height = shown as f64 * (row_h + 4.0) + 10.0;
+    let max = rows.iter().map(|r| r.2).max().unwrap_or(1).max(1);
+    let shown = rows.len().min(200);
+    let (row_h, label_h) = (14.0, 13.0);
+    let pitch = row_h + label_h + 6.0;
+    let top = 28.0;
+    let height = top + shown as f64 * pitch + 6.0;
+    let width = W - 20.0;
+    let scale = width / max as f64;
     let _ = write!(
         out,
-        r##"<svg width="{W}" height="{height}" font-family="sans-serif" font-size="10">"##
+        r##"<svg width="100%" viewBox="0 0 {W} {height}" style="max-width:{W}px" font-family="sans-serif" font-size="10">"##
     );
-    let width = W - 20.0;
-    for (r, (label, start, len)) in rows.iter().take(shown).enumerate() {
-        let y0 = 5.0 + r as f64 * (row_h + 4.0);
-        let scale = width / max;
+    // the scale: round ticks over the widest row
+    let step = nice_step(max, 8, &BYTE_UNITS);
+    let mut t = 0u64;
+    while t <= max {
+        let xx = 10.0 + t as f64 * scale;
         let _ = write!(
             out,
-            r##"<rect x="10" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#f6ad55"><title>{}</title></rect>"##,
-            *len as f64 * scale,
-            esc(label)
+            r##"<line x1="{xx:.1}" x2="{xx:.1}" y1="16" y2="{:.1}" stroke="#eee"/><text x="{xx:.1}" y="12" text-anchor="middle">{}</text>"##,
+            height - 4.0,
+            if t == 0 {
+                "0".to_string()
+            } else {
+                size_label(t)
+            }
         );
-        let seg = segments
-            .iter()
-            .find(|s| s.mapped.iter().any(|&(a, _)| a == *start))
-            .expect("row comes from a segment");
+        t += step;
+    }
+    for (r, (label, start, len, seg)) in rows.iter().take(shown).enumerate() {
+        let y_label = top + r as f64 * pitch + 10.0;
+        let y0 = y_label + 3.0;
+        let _ = write!(
+            out,
+            r##"<text x="10" y="{y_label:.1}" fill="#333">{}</text><rect x="10" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#fff" stroke="#bbb" stroke-width="0.5"/>"##,
+            esc(label),
+            *len as f64 * scale
+        );
+        for &(a, l) in &seg.mapped {
+            let _ = write!(
+                out,
+                r##"<rect x="{:.2}" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#f6ad55"><title>{} mapped at {a:#x}</title></rect>"##,
+                10.0 + (a - start) as f64 * scale,
+                (l as f64 * scale).max(0.3),
+                human(l)
+            );
+        }
         for b in &seg.blocks {
             if !b.allocated || overlap(b.addr, b.size, *start, *len) == 0 {
                 continue;
@@ -368,19 +449,49 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
             let xa = 10.0 + (lo - start) as f64 * scale;
             let _ = write!(
                 out,
-                r##"<rect x="{xa:.2}" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#90cdf4"/><rect x="{xa:.2}" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#2b6cb0"><title>{} requested in a block of {}</title></rect>"##,
+                r##"<rect x="{xa:.2}" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#90cdf4"/><rect x="{xa:.2}" y="{y0:.1}" width="{:.2}" height="{row_h}" fill="#2b6cb0"><title>{} requested in a block of {} at {:#x}</title></rect>"##,
                 ((hi - lo) as f64 * scale).max(0.3),
                 ((req_hi - lo) as f64 * scale).max(0.0),
                 human(b.requested),
-                human(b.size)
+                human(b.size),
+                b.addr
             );
         }
     }
     out.push_str("</svg>");
     if rows.len() > shown {
-        let _ = write!(out, "<p>… and {} more rows</p>", rows.len() - shown);
+        let _ = write!(out, "<p>… and {} more segments</p>", rows.len() - shown);
     }
     out
+}
+
+/// Byte units for axis steps.
+const BYTE_UNITS: [u64; 5] = [1, 1 << 10, 1 << 20, 1 << 30, 1 << 40];
+/// Count units for axis steps.
+const COUNT_UNITS: [u64; 5] = [1, 1_000, 1_000_000, 1_000_000_000, 1_000_000_000_000];
+
+/// The smallest round step (1, 2 or 5 × 10^k of a unit) that cuts `max` into at most `ticks`.
+fn nice_step(max: u64, ticks: u64, units: &[u64]) -> u64 {
+    for &u in units {
+        for m in [1u64, 2, 5, 10, 20, 50, 100, 200, 500] {
+            let step = m.saturating_mul(u);
+            if max / step < ticks {
+                return step.max(1);
+            }
+        }
+    }
+    max.max(1)
+}
+
+/// An event count as an axis label: 0, 500, 20k, 1.5M.
+fn count_label(n: u64) -> String {
+    match n {
+        0..1_000 => n.to_string(),
+        1_000..1_000_000 if n % 1_000 == 0 => format!("{}k", n / 1_000),
+        1_000..1_000_000 => format!("{:.1}k", n as f64 / 1e3),
+        _ if n % 1_000_000 == 0 => format!("{}M", n / 1_000_000),
+        _ => format!("{:.1}M", n as f64 / 1e6),
+    }
 }
 
 fn overlap(a: u64, n: u64, b: u64, m: u64) -> u64 {
