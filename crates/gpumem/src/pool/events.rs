@@ -27,29 +27,17 @@ impl CachingPool {
         }
     }
 
-    /// Record a checkpoint event on `stream` unless one is outstanding.
+    /// Record a checkpoint event on `stream` unless one is outstanding (a completed one is
+    /// retired first).
     pub(super) fn checkpoint(&mut self, stream: Stream) {
-        self.safe_tick(stream); // retire a completed one first
-        let tick = self.tick;
-        let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
-            Some(i) => i,
-            None => {
-                self.checkpoints.push((stream, 0, None, 0));
-                self.checkpoints.len() - 1
-            }
-        };
-        if self.checkpoints[i].2.is_none() {
-            if let Ok(ev) = self.backend.record_event(stream) {
-                self.checkpoints[i].2 = Some(ev);
-                self.checkpoints[i].3 = tick;
-            }
-        }
+        self.safe_tick(stream);
+        self.checkpoint_on_free(stream);
     }
 
-    /// A checkpoint on `stream` when a block of it is freed, unless one is outstanding: the
-    /// stream is alive now (blocks must not outlive their streams), and once the event
-    /// completes, the pages freed so far are known idle, with no waiting. No query here: a
-    /// completed checkpoint is retired when pages are next reclaimed.
+    /// A checkpoint on `stream` unless one is outstanding, with no query: recorded when a
+    /// block of the stream is freed (the stream is alive then: blocks must not outlive their
+    /// streams), so that once the event completes, the pages freed so far are known idle with
+    /// no waiting. A completed checkpoint is retired when pages are next reclaimed.
     pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
         let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
             Some(i) => i,
