@@ -334,3 +334,48 @@ fn reads_a_real_pytorch_snapshot_pickle() {
     let ours = replay("gpumem", &ev, &Config::default(), TIB).unwrap();
     assert!(ours.ratio <= rec.ratio + 1e-9);
 }
+
+/// The replay's driver cost model: every real trace gets its modelled driver time and its
+/// share of the trace's wall time. The figures (default model, H100 per-call costs): classic
+/// segments stay under 1% of wall time on every trace; the expandable rows are reported (the
+/// issue's 1% target is not met on all of them yet: gpt 1.9%, resnet 2.8%, varlen 1.1%).
+#[test]
+fn the_cost_model_reports_driver_time_on_every_real_trace() {
+    use gpumem::trace::CostModel;
+    for name in [
+        "gpt_train.jsonl.gz",
+        "resnet50_train.jsonl.gz",
+        "torch_kv_decode.jsonl.gz",
+        "torch_varlen_train.jsonl.gz",
+    ] {
+        let events = read_trace(&data(name)).unwrap();
+        for conf in ["", "expandable_segments:False"] {
+            let r = replay("m", &events, &Config::parse(conf).unwrap(), TIB).unwrap();
+            let share = r.critical_path_share.expect("real traces have times");
+            assert!(
+                r.critical_path_us > 0.0 && share > 0.0,
+                "{name} {conf}: {r:?}"
+            );
+            if !conf.is_empty() {
+                assert!(share <= 0.01, "{name}: classic segments {share}");
+            }
+            println!(
+                "{name} [{conf}]: {:.2} ms, {:.2}% of wall",
+                r.critical_path_us / 1e3,
+                share * 100.0
+            );
+        }
+    }
+    // the arithmetic: one map call of 10 pages, 4 pages unmapped, one stall
+    let s = gpumem::Stats {
+        num_device_alloc: 1,
+        mapped_bytes: 10 << 21,
+        unmapped_bytes: 4 << 21,
+        num_unmap_syncs: 1,
+        ..Default::default()
+    };
+    let m = CostModel::default();
+    let (fg, bg) = m.cost(&s, Some(2 << 20));
+    let want = m.set_access_us + 10.0 * (m.map_us + m.create_us) + m.sync_stall_us;
+    assert!((fg - want).abs() < 1e-9 && (bg - 4.0 * (m.unmap_us + m.release_us)).abs() < 1e-9);
+}

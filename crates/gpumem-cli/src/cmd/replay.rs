@@ -149,10 +149,11 @@ fn print(out: &ReplayOut) {
     println!(
         "  (ratio: peak reserved / peak live; segs and largest free: at the reserved peak; \
          calls: driver allocations, frees, page maps and unmaps; syncs: host waits before \
-         unmapping)"
+         unmapping; driver ms: modelled driver time on the allocating thread, and its share \
+         of the trace's own wall time)"
     );
     println!(
-        "  {:<28} {:<10} {:>10} {:>13} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5}",
+        "  {:<28} {:<10} {:>10} {:>13} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5} {:>10} {:>7}",
         "policy",
         "backend",
         "peak live",
@@ -162,7 +163,9 @@ fn print(out: &ReplayOut) {
         "largest free",
         "ns/event",
         "calls",
-        "syncs"
+        "syncs",
+        "driver ms",
+        "of wall"
     );
     for p in &out.policies {
         if p.backend == "trace" && p.device_calls == 0 {
@@ -178,7 +181,7 @@ fn print(out: &ReplayOut) {
             continue;
         }
         println!(
-            "  {:<28} {:<10} {:>10} {:>13} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5}",
+            "  {:<28} {:<10} {:>10} {:>13} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5} {:>10.2} {:>7}",
             p.name,
             p.backend,
             human(p.peak_live_bytes),
@@ -188,7 +191,10 @@ fn print(out: &ReplayOut) {
             human(p.largest_free_block_at_peak),
             p.ns_per_event,
             p.device_calls,
-            p.unmap_syncs
+            p.unmap_syncs,
+            p.critical_path_us / 1e3,
+            p.critical_path_share
+                .map_or("n/a".to_string(), |s| format!("{:.2}%", s * 100.0))
         );
     }
 }

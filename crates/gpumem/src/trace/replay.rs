@@ -36,6 +36,82 @@ pub struct PolicyReport {
     pub device_calls: u64,
     /// host waits for a stream before unmapping pages
     pub unmap_syncs: u64,
+    /// modelled driver time on the allocating thread ([`CostModel`]; 0 for `recorded`), µs
+    pub critical_path_us: f64,
+    /// modelled driver time off the allocating thread (unmapping, releasing), µs
+    pub background_us: f64,
+    /// `critical_path_us` as a share of the trace's own wall time (its first to last
+    /// `time_us`); `None` where the trace has no times
+    pub critical_path_share: Option<f64>,
+}
+
+/// What the driver calls an allocator makes cost, for replays, which run none of them for real.
+/// The defaults are the H100 figures of `shared/notes/vmm-costs.md` (one thread, idle device)
+/// and the cuMemAlloc figures measured with `vmm_micro`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CostModel {
+    /// cuMemCreate of one page, µs (charged for every page mapped: handles kept for reuse are
+    /// not modelled, so this is an upper bound)
+    pub create_us: f64,
+    /// cuMemMap of one page, µs
+    pub map_us: f64,
+    /// cuMemSetAccess, once per mapped run, µs
+    pub set_access_us: f64,
+    /// cuMemUnmap of one page (off the allocating thread), µs
+    pub unmap_us: f64,
+    /// cuMemRelease of one page (off the allocating thread), µs
+    pub release_us: f64,
+    /// cuMemAlloc or cuMemFree of a classic segment: a fixed part, µs ...
+    pub segment_us: f64,
+    /// ... and a part per MiB
+    pub segment_us_per_mib: f64,
+    /// a host wait for a stream or the device: the allocating thread stalls until the GPU has
+    /// caught up, which a trace does not record; this many µs each
+    pub sync_stall_us: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        Self {
+            create_us: 13.5,
+            map_us: 1.0,
+            set_access_us: 27.7,
+            unmap_us: 18.9,
+            release_us: 14.0,
+            segment_us: 30.0,
+            segment_us_per_mib: 0.5,
+            sync_stall_us: 1000.0,
+        }
+    }
+}
+
+impl CostModel {
+    /// (allocating thread, background) µs of the driver work in `stats`, pages of `page` bytes
+    /// where the pool had expandable segments.
+    pub fn cost(&self, stats: &crate::Stats, page: Option<u64>) -> (f64, f64) {
+        let stalls = stats.num_unmap_syncs as f64 * self.sync_stall_us;
+        match page {
+            Some(page) => {
+                let mapped = (stats.mapped_bytes / page) as f64;
+                let unmapped = (stats.unmapped_bytes / page) as f64;
+                let map_calls = stats.num_device_alloc as f64;
+                let fg = map_calls * self.set_access_us
+                    + mapped * (self.map_us + self.create_us)
+                    + stalls;
+                (fg, unmapped * (self.unmap_us + self.release_us))
+            }
+            None => {
+                // classic segments: every cuMemAlloc and cuMemFree on the allocating thread
+                let calls = (stats.num_device_alloc + stats.num_device_free) as f64;
+                let mib = stats.reserved_bytes.all.allocated as f64 / (1 << 20) as f64
+                    + stats.reserved_bytes.all.freed as f64 / (1 << 20) as f64;
+                (
+                    calls * self.segment_us + mib * self.segment_us_per_mib + stalls,
+                    0.0,
+                )
+            }
+        }
+    }
 }
 
 /// The figures of the trace's own allocator, from its `segment_*` events.
@@ -79,9 +155,19 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         segments_at_peak: segs_at_peak,
         largest_free_block_at_peak: 0,
         ns_per_event: 0.0,
+        critical_path_us: 0.0,
+        background_us: 0.0,
+        critical_path_share: None,
         device_calls: calls,
         unmap_syncs: 0,
     }
+}
+
+/// The trace's own wall time, first to last `time_us`, where it has times.
+fn wall_us(events: &[TraceEvent]) -> Option<f64> {
+    let first = events.iter().map(|e| e.time_us).filter(|&t| t > 0).min()?;
+    let last = events.iter().map(|e| e.time_us).max()?;
+    (last > first).then(|| (last - first) as f64)
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -194,6 +280,11 @@ pub fn replay_detailed(
         })?;
     }
     let peak_live = recorded(events).peak_live_bytes;
+    let page = backend()?
+        .virtual_memory()
+        .map(|v| v.page_size())
+        .filter(|_| config.pool.expandable_segments);
+    let (fg_us, bg_us) = CostModel::default().cost(&stats, page);
     Ok(Replay {
         report: PolicyReport {
             name: name.to_string(),
@@ -206,6 +297,9 @@ pub fn replay_detailed(
             ns_per_event,
             device_calls: stats.num_device_alloc + stats.num_device_free,
             unmap_syncs: stats.num_unmap_syncs,
+            critical_path_us: fg_us,
+            background_us: bg_us,
+            critical_path_share: wall_us(events).map(|w| fg_us / w),
         },
         segments_at_peak: at_peak.1,
         timeline,
