@@ -34,10 +34,10 @@ impl CachingPool {
         self.checkpoint_on_free(stream);
     }
 
-    /// A checkpoint on `stream` unless one is outstanding, with no query: recorded when a
-    /// block of the stream is freed (the stream is alive then: blocks must not outlive their
+    /// A checkpoint on `stream` unless an incomplete one is outstanding: recorded when a block
+    /// of the stream is freed (the stream is alive then: blocks must not outlive their
     /// streams), so that once the event completes, the pages freed so far are known idle with
-    /// no waiting. A completed checkpoint is retired when pages are next reclaimed.
+    /// no waiting.
     pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
         let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
             Some(i) => i,
@@ -46,11 +46,18 @@ impl CachingPool {
                 self.checkpoints.len() - 1
             }
         };
-        if self.checkpoints[i].2.is_none() {
-            if let Ok(ev) = self.backend.record_event(stream) {
-                self.checkpoints[i].2 = Some(ev);
-                self.checkpoints[i].3 = self.tick;
+        if self.checkpoints[i].2.is_some() {
+            // a completed checkpoint is retired and a fresh one recorded, so that the stream's
+            // checkpoint covers its recent frees too (another stream's allocation can move
+            // those pages only through it): one event query per free while one is outstanding
+            self.safe_tick(stream);
+            if self.checkpoints[i].2.is_some() {
+                return;
             }
+        }
+        if let Ok(ev) = self.backend.record_event(stream) {
+            self.checkpoints[i].2 = Some(ev);
+            self.checkpoints[i].3 = self.tick;
         }
     }
 
