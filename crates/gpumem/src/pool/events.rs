@@ -47,9 +47,13 @@ impl CachingPool {
             }
         };
         if self.checkpoints[i].2.is_some() {
-            // a completed checkpoint is retired and a fresh one recorded, so that the stream's
-            // checkpoint covers its recent frees too (another stream's allocation can move
-            // those pages only through it): one event query per free while one is outstanding
+            // with several streams, a completed checkpoint is retired and a fresh one
+            // recorded, so that the stream's checkpoint covers its recent frees too (another
+            // stream's allocation can move those pages only through it): one event query per
+            // free while one is outstanding. With one stream, reclaiming refreshes its own.
+            if self.streams.len() < 2 {
+                return;
+            }
             self.safe_tick(stream);
             if self.checkpoints[i].2.is_some() {
                 return;
