@@ -244,6 +244,10 @@ pub fn replay_detailed(
             )));
         }
     }
+    let page = first
+        .virtual_memory()
+        .map(|v| v.page_size())
+        .filter(|_| config.pool.expandable_segments);
     drop(first);
     let start = Instant::now();
     let replayed = run(events, config, backend()?, stream, usize::MAX, |_, _| {})?.0;
@@ -280,10 +284,6 @@ pub fn replay_detailed(
         })?;
     }
     let peak_live = recorded(events).peak_live_bytes;
-    let page = backend()?
-        .virtual_memory()
-        .map(|v| v.page_size())
-        .filter(|_| config.pool.expandable_segments);
     let (fg_us, bg_us) = CostModel::default().cost(&stats, page);
     Ok(Replay {
         report: PolicyReport {
