@@ -44,6 +44,10 @@ enum Command {
         /// simulation against the GPU.
         #[arg(long)]
         device: Option<usize>,
+        /// Simulate a GPU that runs behind the host by N allocator calls (0 = kernels take no
+        /// time, the default; `never` = no event completes until the pool synchronises).
+        #[arg(long, value_parser = parse_lag)]
+        gpu_lag: Option<u64>,
     },
     /// Write a synthetic trace of one workload kind (variable_seq_len, kv_cache_decode,
     /// mixed_tiny_huge, multi_stream, conv_training) as JSON Lines (gzip if the name ends in .gz).
@@ -156,7 +160,8 @@ fn main() -> ExitCode {
             conf,
             json,
             device,
-        } => cmd::replay::run(&traces, &conf, json, device),
+            gpu_lag,
+        } => cmd::replay::run(&traces, &conf, json, device, gpu_lag.filter(|&n| n > 0)),
         Command::Synth {
             kind,
             output,
@@ -217,5 +222,18 @@ fn main() -> ExitCode {
             eprintln!("gpumem: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `--gpu-lag`: a number of allocator calls up to 10^12, or `never`.
+fn parse_lag(s: &str) -> std::result::Result<u64, String> {
+    if s == "never" {
+        return Ok(u64::MAX);
+    }
+    match s.parse::<u64>() {
+        Ok(n) if n <= 1_000_000_000_000 => Ok(n),
+        _ => Err(format!(
+            "`{s}`: expected a number of allocator calls (0 to 10^12) or `never`"
+        )),
     }
 }

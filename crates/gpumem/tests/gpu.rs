@@ -360,13 +360,14 @@ fn expandable_segments_grow_in_place_keep_data_and_shrink() {
     );
 }
 
-/// A block freed while a kernel still reads it: its pages are not unmapped until the kernel's
-/// work is known done (unmapping under a running kernel faults it), and the allocation that
-/// would have moved them does not wait for the kernel either: it maps new pages. Once the
-/// checkpoint of the free completes, the next growth moves them.
+/// A block freed while a kernel still reads it, on the kernel's stream: its pages move in
+/// stream order. The next allocation on that stream gets their memory at once (mapped at its
+/// own addresses; the stream runs the kernel first), without waiting for the kernel, and the
+/// old addresses are unmapped only once the kernel is done (unmapping under it would fault
+/// it). The kernel reads what it should, and the new block, written after it, holds its own.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn expandable_unmaps_only_after_pending_work_completes() {
+fn pages_move_in_stream_order_under_a_running_kernel() {
     let g = gpu();
     let st = g.ctx.new_stream().unwrap();
     let s = Stream::from(&*st);
@@ -384,15 +385,27 @@ fn expandable_unmaps_only_after_pending_work_completes() {
     l.arg(&mut out).arg(&x).arg(&nn).arg(&cycles);
     // SAFETY: both buffers hold n u32s.
     unsafe { l.launch(cfg(n)) }.unwrap();
+    let vmm = a.backend().virtual_memory().expect("pages");
+    let before = vmm.calls();
     drop(x); // freed on its stream while the kernel has still to read it
-             // 100 MiB does not fit in x's hole: x's pages would back it, but are busy
-    let y = DeviceBuffer::<u8>::alloc(&a, s, 100 * MIB).unwrap();
+             // 100 MiB does not fit in x's hole: x's pages back it, moved in stream order
+    let t = std::time::Instant::now();
+    let mut y = DeviceBuffer::<u32>::alloc(&a, s, 100 * MIB / 4).unwrap();
+    let took = t.elapsed();
+    fill(&g, &st, &mut y, 0x5555_5555); // runs after the kernel
     let stats = a.stats();
-    assert_eq!(
-        stats.unmapped_bytes, 0,
-        "x's pages stay while the kernel runs"
-    );
+    let calls = vmm.calls();
+    assert!(stats.num_ordered_unmaps >= 1, "{stats:?}");
+    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
     assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
+    assert!(
+        calls.aliased - before.aliased >= 30,
+        "x's memory backs y: {calls:?}"
+    );
+    assert!(
+        took < std::time::Duration::from_millis(100),
+        "the allocation waited for the kernel: {took:?}"
+    );
     st.synchronize().unwrap();
     let got = out.to_vec().unwrap();
     let bad = got
@@ -401,12 +414,29 @@ fn expandable_unmaps_only_after_pending_work_completes() {
         .filter(|&(i, &v)| v != 0x3333_3333 ^ i as u32)
         .count();
     assert_eq!(bad, 0, "the kernel read {bad} wrong words");
-    // the kernel is done: the next growth moves x's pages instead of mapping more
-    let z = DeviceBuffer::<u8>::alloc(&a, s, 100 * MIB).unwrap();
-    let stats = a.stats();
-    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
-    assert_eq!(stats.num_unmap_syncs, 0);
-    drop((y, z));
+    let got = y.to_vec().unwrap();
+    let bad = got
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != 0x5555_5555 ^ i as u32)
+        .count();
+    assert_eq!(bad, 0, "the new block holds {bad} wrong words");
+    // the old addresses are unmapped once the kernel is done (the worker)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while vmm.calls().background == before.background && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        vmm.calls().background > before.background,
+        "{:?}",
+        vmm.calls()
+    );
+    println!(
+        "moved in stream order: {} pages aliased, allocation took {took:?}",
+        calls.aliased - before.aliased
+    );
+    drop(y);
+    a.empty_cache();
 }
 
 /// Replaying a trace with real CUDA allocations reserves what the simulation says, within 1%.

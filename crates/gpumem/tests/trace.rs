@@ -366,16 +366,20 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
             );
         }
     }
-    // the arithmetic: one map call of 10 pages, 4 pages unmapped, one stall
-    let s = gpumem::Stats {
-        num_device_alloc: 1,
+    // the arithmetic: two map calls of 10 pages in all with a peak of 6 pages (6 created, 4
+    // moved with kept handles), 4 pages unmapped, 3 of them in one stream-ordered run, a stall
+    let mut s = gpumem::Stats {
+        num_device_alloc: 2,
         mapped_bytes: 10 << 21,
         unmapped_bytes: 4 << 21,
         num_unmap_syncs: 1,
+        num_ordered_unmaps: 1,
         ..Default::default()
     };
+    s.reserved_bytes.all.peak = 6 << 21;
     let m = CostModel::default();
     let (fg, bg) = m.cost(&s, Some(2 << 20));
-    let want = m.set_access_us + 10.0 * (m.map_us + m.create_us) + m.sync_stall_us;
-    assert!((fg - want).abs() < 1e-9 && (bg - 4.0 * (m.unmap_us + m.release_us)).abs() < 1e-9);
+    let want =
+        2.0 * m.set_access_us + 10.0 * m.map_us + 6.0 * m.create_us + m.record_us + m.sync_stall_us;
+    assert!((fg - want).abs() < 1e-9 && (bg - 4.0 * m.unmap_us).abs() < 1e-9);
 }

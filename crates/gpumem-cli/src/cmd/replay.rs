@@ -18,6 +18,7 @@ pub fn run(
     confs: &[String],
     json: bool,
     device: Option<usize>,
+    gpu_lag: Option<u64>,
 ) -> Result<()> {
     // the gpumem rows follow GPUMEM_CONF where it is set (an invalid one is an error)
     let base = config_from(None)?;
@@ -84,8 +85,15 @@ pub fn run(
         let err = |e: gpumem::Error| format!("{}: {e}", path.display());
         for (name, config) in &policies {
             out.policies.push(
-                gpumem::trace::replay(name, &events, config, gpumem::trace::SIM_CAPACITY)
-                    .map_err(err)?,
+                gpumem::trace::replay_simulated(
+                    name,
+                    &events,
+                    config,
+                    gpumem::trace::SIM_CAPACITY,
+                    gpu_lag,
+                )
+                .map_err(err)?
+                .report,
             );
         }
         if let Some(ordinal) = device {

@@ -135,6 +135,21 @@ impl VirtualMemory for Limit {
         Ok(())
     }
 
+    fn map_on(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let vmm = self.inner_vmm()?;
+        self.charge(bytes)?;
+        vmm.map_on(addr, bytes, stream).inspect_err(|_| {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+        })
+    }
+
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        // the memory is the stream's to map again at once: the budget counts it free now
+        self.inner_vmm()?.unmap_after(addr, bytes, stream)?;
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
     fn trim(&self) {
         if let Ok(v) = self.inner_vmm() {
             v.trim();

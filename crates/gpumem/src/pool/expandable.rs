@@ -122,15 +122,16 @@ impl CachingPool {
         }
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
-            let mut r = self.vmm().and_then(|v| v.map(a, bytes));
+            // memory this stream's moved pages left is taken first
+            let mut r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
             if matches!(&r, Err(e) if e.is_out_of_memory()) {
                 self.stats.num_alloc_retries += 1;
                 self.release_cached();
-                r = self.vmm().and_then(|v| v.map(a, bytes));
+                r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
                 if matches!(&r, Err(e) if e.is_out_of_memory()) && !self.pending.is_empty() {
                     self.sync_pending();
                     self.release_cached();
-                    r = self.vmm().and_then(|v| v.map(a, bytes));
+                    r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
                 }
             }
             match r {
@@ -180,14 +181,18 @@ impl CachingPool {
     }
 
     /// Unmap up to about `want` bytes of pages lying wholly inside free blocks of expandable
-    /// segments, those of `stream` first and the highest addresses first. Unmapping is
-    /// immediate, so no queued work may still touch a page: pages freed before the owner
-    /// stream's last completed checkpoint event go (checkpoints are recorded when blocks are
-    /// freed, so every stream has one); then a fresh checkpoint is recorded on `current` and,
-    /// if the stream has already caught up, more pages are safe. Only with `may_wait` (emptying
-    /// the cache, out of memory: never on the allocation path) does the pool then wait for the
-    /// stream, or the whole device for segments of other streams (which may have been
-    /// destroyed since). Returns the bytes unmapped.
+    /// segments, those of `current` first and the highest addresses first. Pages freed before
+    /// the owner stream's last completed checkpoint event are idle and go (checkpoints are
+    /// recorded when blocks are freed, so every stream has one). On the allocation path
+    /// (`current` is the allocating stream, no `may_wait`) the rest of `current`'s own free
+    /// pages move in stream order ([`VirtualMemory::unmap_after`]): the map that follows takes
+    /// their memory at once, as reusing a freed block on its own stream would, and their old
+    /// addresses are unmapped once the stream's queued work is done; so pages move while the
+    /// GPU is behind the host, with no wait. Otherwise a fresh checkpoint is recorded on
+    /// `current` and, if the stream has already caught up, more pages are safe. Only with
+    /// `may_wait` (emptying the cache, out of memory: never on the allocation path) does the
+    /// pool then wait for the stream, or the whole device for segments of other streams
+    /// (which may have been destroyed since). Returns the bytes unmapped.
     pub(super) fn reclaim_pages(
         &mut self,
         current: Option<Stream>,
@@ -222,6 +227,12 @@ impl CachingPool {
                 continue;
             }
             let own = Some(owner) == current;
+            if own && !may_wait {
+                // 2: the stream's own pages move in stream order
+                let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
+                got += self.unmap_runs_after(seg, runs, owner);
+                continue;
+            }
             if own {
                 // 2: a fresh checkpoint, complete at once if the stream is idle
                 self.checkpoint(owner);
@@ -307,6 +318,33 @@ impl CachingPool {
             }
         }
         runs
+    }
+
+    /// Unmap `runs` of `seg` in `stream`'s order (see [`VirtualMemory::unmap_after`]); returns
+    /// the bytes unmapped.
+    pub(super) fn unmap_runs_after(
+        &mut self,
+        seg: u32,
+        runs: Vec<(u64, u64)>,
+        stream: Stream,
+    ) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let base = self.segments[seg as usize].addr;
+        let mut got = 0;
+        for (first, n) in runs {
+            match self
+                .vmm()
+                .and_then(|v| v.unmap_after(base + first * page, n * page, stream))
+            {
+                Ok(()) => {
+                    self.note_mapped(seg, first, n, false);
+                    self.stats.num_ordered_unmaps += 1;
+                    got += n * page;
+                }
+                Err(e) => tracing::warn!("gpumem: unmapping pages in stream order failed: {e}"),
+            }
+        }
+        got
     }
 
     /// Unmap `runs` of `seg`; returns the bytes unmapped.

@@ -112,6 +112,10 @@ pub struct Stats {
     pub unmapped_bytes: u64,
     /// host waits for one stream before unmapping its free pages
     pub num_unmap_syncs: u64,
+    /// runs of pages moved in stream order (their stream's work may still be running: their
+    /// memory is mapped again for the same stream at once, the old addresses unmapped once that
+    /// work is done; one event recorded each)
+    pub num_ordered_unmaps: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -164,6 +168,7 @@ impl Stats {
         self.mapped_bytes += o.mapped_bytes;
         self.unmapped_bytes += o.unmapped_bytes;
         self.num_unmap_syncs += o.num_unmap_syncs;
+        self.num_ordered_unmaps += o.num_ordered_unmaps;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -298,6 +303,7 @@ pub(crate) struct HotStats {
     pub(crate) mapped_bytes: u64,
     pub(crate) unmapped_bytes: u64,
     pub(crate) num_unmap_syncs: u64,
+    pub(crate) num_ordered_unmaps: u64,
 }
 
 impl HotStats {
@@ -457,6 +463,7 @@ impl HotStats {
             mapped_bytes: self.mapped_bytes,
             unmapped_bytes: self.unmapped_bytes,
             num_unmap_syncs: self.num_unmap_syncs,
+            num_ordered_unmaps: self.num_ordered_unmaps,
             ..Stats::default()
         }
     }

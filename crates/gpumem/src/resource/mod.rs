@@ -165,6 +165,21 @@ pub trait VirtualMemory: Send + Sync {
     /// unmapping on a thread of its own). The caller has made sure no queued work still
     /// touches it.
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()>;
+    /// Unmap `[addr, addr + bytes)` in `stream`'s order: only work on `stream` has used the
+    /// range, and some of it may still be queued. Its physical memory may back
+    /// [`VirtualMemory::map_on`] for the same stream at once (the stream runs that work
+    /// first); the range itself is unmapped once the work queued on `stream` so far has
+    /// completed. By default (a resource without kernels) the same as `unmap`.
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let _ = stream;
+        self.unmap(addr, bytes)
+    }
+    /// [`VirtualMemory::map`] for work on `stream`: it may take the physical memory that
+    /// `unmap_after` left for `stream`. By default the same as `map`.
+    fn map_on(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let _ = stream;
+        self.map(addr, bytes)
+    }
     /// Give back whatever physical memory the resource keeps beyond the mapped pages, once
     /// pending unmaps are done (emptying the cache).
     fn trim(&self) {}
@@ -191,8 +206,12 @@ pub struct VmmCalls {
     pub unmaps: u64,
     /// handles released (cuMemRelease)
     pub releases: u64,
-    /// times a map waited for the background thread to finish unmapping its pages
+    /// times a map waited for the background thread to finish unmapping its pages, or for a
+    /// stream's work before unmapping pages moved in stream order
     pub waits: u64,
+    /// pages mapped with the memory of pages moved in stream order (`unmap_after`) whose old
+    /// address was still waiting for its stream
+    pub aliased: u64,
     /// bytes of physical handles kept unmapped for the next map (not in any pool's reserved
     /// bytes)
     pub spare_bytes: u64,

@@ -27,8 +27,13 @@ struct SimState {
     used: u64,
     live: FxHashMap<DevPtr, u64>,
     next_event: u64,
-    pending: FxHashSet<u64>,
+    /// pending events → the clock tick at which they complete (`u64::MAX`: when told)
+    pending: FxHashMap<u64, u64>,
     auto_complete: bool,
+    /// with `Some(n)`, an event completes `n` ticks of [`SimulatedDevice::advance`] after it
+    /// was recorded, or at a host synchronisation
+    lag: Option<u64>,
+    clock: u64,
     allocs: u64,
     frees: u64,
     stream_waits: u64,
@@ -105,6 +110,26 @@ impl SimulatedDevice {
     /// Complete every pending event: all queued work has finished.
     pub fn complete_events(&self) {
         self.state.lock().pending.clear();
+    }
+
+    /// A GPU that runs behind the host: every event recorded from now on completes `ticks`
+    /// calls of [`SimulatedDevice::advance`] later (the work queued before it has run), or at a
+    /// host synchronisation; `u64::MAX` means only at a synchronisation. Replays advance one
+    /// tick per allocation or free, so `ticks` is how many allocator calls the host is ahead.
+    pub fn set_lag(&self, ticks: u64) {
+        let mut s = self.state.lock();
+        s.auto_complete = false;
+        s.lag = Some(ticks);
+    }
+
+    /// Advance the lagging GPU's clock by one tick (see [`SimulatedDevice::set_lag`]).
+    pub fn advance(&self) {
+        let mut s = self.state.lock();
+        s.clock += 1;
+        let now = s.clock;
+        if s.lag.is_some() && !s.pending.is_empty() {
+            s.pending.retain(|_, due| *due > now);
+        }
     }
 
     /// What the device was asked to do so far.
@@ -304,12 +329,16 @@ impl StreamOps for SimulatedDevice {
         s.next_event += 1;
         let id = s.next_event;
         if !s.auto_complete {
-            s.pending.insert(id);
+            let due = match s.lag {
+                Some(lag) => s.clock.saturating_add(lag.max(1)),
+                None => u64::MAX,
+            };
+            s.pending.insert(id, due);
         }
         Ok(Event(id))
     }
     fn event_done(&self, event: Event) -> Result<bool> {
-        Ok(!self.state.lock().pending.contains(&event.0))
+        Ok(!self.state.lock().pending.contains_key(&event.0))
     }
     fn sync_event(&self, event: Event) -> Result<()> {
         self.state.lock().pending.remove(&event.0);
@@ -325,11 +354,15 @@ impl StreamOps for SimulatedDevice {
     }
     fn destroy_stream(&self, _stream: Stream) {}
     fn synchronize(&self, _stream: Stream) -> Result<()> {
-        self.state.lock().syncs += 1;
-        Ok(())
+        self.synchronize_device()
     }
     fn synchronize_device(&self) -> Result<()> {
-        self.state.lock().syncs += 1;
+        let mut s = self.state.lock();
+        s.syncs += 1;
+        // a lagging GPU has caught up once the host waited for it
+        if s.lag.is_some() {
+            s.pending.clear();
+        }
         Ok(())
     }
     unsafe fn copy(&self, _: DevPtr, _: DevPtr, _: usize, _: CopyKind, _: Stream) -> Result<()> {

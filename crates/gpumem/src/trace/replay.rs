@@ -50,8 +50,9 @@ pub struct PolicyReport {
 /// and the cuMemAlloc figures measured with `vmm_micro`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CostModel {
-    /// cuMemCreate of one page, µs (charged for every page mapped: handles kept for reuse are
-    /// not modelled, so this is an upper bound)
+    /// cuMemCreate of one page, µs, charged for the pages of the reserved peak: the page
+    /// engine keeps handles and a moved page takes a kept one (or, moved in stream order, the
+    /// old page's own)
     pub create_us: f64,
     /// cuMemMap of one page, µs
     pub map_us: f64,
@@ -59,8 +60,11 @@ pub struct CostModel {
     pub set_access_us: f64,
     /// cuMemUnmap of one page (off the allocating thread), µs
     pub unmap_us: f64,
-    /// cuMemRelease of one page (off the allocating thread), µs
+    /// cuMemRelease of one page (off the allocating thread), µs; charged for none: handles are
+    /// released beyond a small cap only, and when the cache is emptied
     pub release_us: f64,
+    /// recording the event a move in stream order waits for (cuEventRecord), µs per run
+    pub record_us: f64,
     /// cuMemAlloc or cuMemFree of a classic segment: a fixed part, µs ...
     pub segment_us: f64,
     /// ... and a part per MiB
@@ -78,6 +82,7 @@ impl Default for CostModel {
             set_access_us: 27.7,
             unmap_us: 18.9,
             release_us: 14.0,
+            record_us: 2.0,
             segment_us: 30.0,
             segment_us_per_mib: 0.5,
             sync_stall_us: 1000.0,
@@ -94,11 +99,14 @@ impl CostModel {
             Some(page) => {
                 let mapped = (stats.mapped_bytes / page) as f64;
                 let unmapped = (stats.unmapped_bytes / page) as f64;
+                let created = stats.reserved_bytes.all.peak.div_ceil(page) as f64;
                 let map_calls = stats.num_device_alloc as f64;
                 let fg = map_calls * self.set_access_us
-                    + mapped * (self.map_us + self.create_us)
+                    + mapped * self.map_us
+                    + created.min(mapped) * self.create_us
+                    + stats.num_ordered_unmaps as f64 * self.record_us
                     + stalls;
-                (fg, unmapped * (self.unmap_us + self.release_us))
+                (fg, unmapped * self.unmap_us)
             }
             None => {
                 // classic segments: every cuMemAlloc and cuMemFree on the allocating thread
@@ -188,6 +196,9 @@ pub struct Replay {
     pub segments_at_peak: Vec<crate::pool::SegmentInfo>,
     /// `(time_us, live requested bytes, reserved bytes)` after every replayed event
     pub timeline: Vec<(u64, u64, u64)>,
+    /// driver calls (segment allocations and frees, page maps and unmaps) made so far, after
+    /// every replayed event
+    pub calls: Vec<u64>,
 }
 
 /// Replay the demand of `events` through gpumem's pool with `config` over a simulated device of
@@ -198,7 +209,36 @@ pub fn replay(
     config: &Config,
     capacity: u64,
 ) -> Result<PolicyReport> {
-    Ok(replay_detailed(name, events, config, &|| Ok(simulated(capacity)), &Stream)?.report)
+    Ok(replay_simulated(name, events, config, capacity, None)?.report)
+}
+
+/// [`replay`] with every figure, on a simulated device whose GPU runs `lag` allocator calls
+/// behind the host (see [`SimulatedDevice::set_lag`]): with `None` every event has completed
+/// by the next call, as if kernels took no time; with `Some(u64::MAX)` none completes until
+/// the pool synchronises. A real job lies in between: the host queues a training step's
+/// kernels well before the GPU has run them, so the pages its frees leave are not known idle
+/// for a while.
+pub fn replay_simulated(
+    name: &str,
+    events: &[TraceEvent],
+    config: &Config,
+    capacity: u64,
+    lag: Option<u64>,
+) -> Result<Replay> {
+    let make = || {
+        let sim = Arc::new(SimulatedDevice::new(capacity));
+        if let Some(n) = lag {
+            sim.set_lag(n);
+        }
+        let tick: Box<dyn Fn()> = if lag.is_some() {
+            let s = sim.clone();
+            Box::new(move || s.advance())
+        } else {
+            Box::new(|| {})
+        };
+        Ok((sim as Arc<dyn Backend>, tick))
+    };
+    replay_passes(name, events, config, &make, &Stream)
 }
 
 /// Capacity of the simulated device replays run on: 4 TiB, more than any GPU has, and small
@@ -223,9 +263,23 @@ pub fn replay_detailed(
     backend: &dyn Fn() -> Result<Arc<dyn Backend>>,
     stream: &dyn Fn(u64) -> Stream,
 ) -> Result<Replay> {
+    let make = || Ok((backend()?, Box::new(|| {}) as Box<dyn Fn()>));
+    replay_passes(name, events, config, &make, stream)
+}
+
+/// A backend for one replay pass and what advances its clock by one allocator call.
+type Pass = (Arc<dyn Backend>, Box<dyn Fn()>);
+
+fn replay_passes(
+    name: &str,
+    events: &[TraceEvent],
+    config: &Config,
+    backend: &dyn Fn() -> Result<Pass>,
+    stream: &dyn Fn(u64) -> Stream,
+) -> Result<Replay> {
     // a request larger than the device fails at once, with its line, instead of growing the
     // simulator's page tables without bound
-    let first = backend()?;
+    let (first, _) = backend()?;
     let capacity = first
         .limit()
         .or_else(|| first.mem_info().ok().map(|m| m.total));
@@ -255,6 +309,7 @@ pub fn replay_detailed(
 
     let mut peak = (0u64, 0u64, 0usize); // reserved, segments, event index
     let mut timeline = Vec::with_capacity(events.len());
+    let mut calls = Vec::with_capacity(events.len());
     let mut live = 0u64;
     let (_, stats, backend_name) = run(
         events,
@@ -270,6 +325,7 @@ pub fn replay_detailed(
                 _ => live = live.saturating_sub(e.size),
             }
             timeline.push((e.time_us, live, s.reserved_bytes.all.current));
+            calls.push(s.num_device_alloc + s.num_device_free);
             if s.reserved_bytes.all.current > peak.0 {
                 peak = (s.reserved_bytes.all.current, s.segment.all.current, i);
             }
@@ -303,6 +359,7 @@ pub fn replay_detailed(
         },
         segments_at_peak: at_peak.1,
         timeline,
+        calls,
     })
 }
 
@@ -312,7 +369,7 @@ pub fn replay_detailed(
 fn run(
     events: &[TraceEvent],
     config: &Config,
-    backend: Arc<dyn Backend>,
+    (backend, tick): Pass,
     stream: &dyn Fn(u64) -> Stream,
     stop: usize,
     mut after: impl FnMut(&CachingAllocator, usize),
@@ -328,6 +385,9 @@ fn run(
     let mut replayed = 0u64;
     let mut result = Ok(());
     for (i, e) in events.iter().enumerate().take(stop.saturating_add(1)) {
+        if matches!(e.action, Action::Alloc | Action::FreeCompleted) {
+            tick();
+        }
         match e.action {
             Action::Alloc => {
                 let a = match alloc.allocate(stream(e.stream), e.size.max(1) as usize, 512) {

@@ -41,6 +41,20 @@ impl CudaDevice {
         self
     }
 
+    fn map_for(&self, addr: DevPtr, bytes: u64, stream: Option<Stream>) -> Result<()> {
+        let pages = self.pages()?;
+        let page = pages.page();
+        if addr % page != 0 || bytes % page != 0 || bytes == 0 {
+            return Err(Error::InvalidAlignment {
+                align: page as usize,
+                max: page as usize,
+            });
+        }
+        self.ops.bind()?;
+        let peers = self.peers.read().clone();
+        pages.map(addr, bytes, &peers, stream)
+    }
+
     fn pages(&self) -> Result<&Pages> {
         self.pages
             .as_deref()
@@ -136,17 +150,16 @@ impl VirtualMemory for CudaDevice {
     }
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let pages = self.pages()?;
-        let page = pages.page();
-        if addr % page != 0 || bytes % page != 0 || bytes == 0 {
-            return Err(Error::InvalidAlignment {
-                align: page as usize,
-                max: page as usize,
-            });
-        }
+        self.map_for(addr, bytes, None)
+    }
+
+    fn map_on(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        self.map_for(addr, bytes, Some(stream))
+    }
+
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
         self.ops.bind()?;
-        let peers = self.peers.read().clone();
-        pages.map(addr, bytes, &peers)
+        self.pages()?.unmap_after(addr, bytes, stream)
     }
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {

@@ -8,7 +8,13 @@
 //! - access is set once per mapped range, not per page;
 //! - unmapping runs on a background thread: `unmap` queues the pages and returns. The pool
 //!   only unmaps pages whose work is known complete (events), so the delay is safe; a `map`
-//!   or `release_address` over pages still queued does their unmapping first.
+//!   or `release_address` over pages still queued does their unmapping first;
+//! - pages whose work may still be running move in stream order (`unmap_after`): their handles
+//!   are mapped at once at the new address for later work on the same stream (a handle may be
+//!   mapped at two addresses; the stream runs the old work first, as it does for any block a
+//!   caching allocator hands out again), and the old address is unmapped by the worker once an
+//!   event recorded on the stream has completed. So a training step's pages move while the GPU
+//!   is still behind the host, with no wait and no new physical memory.
 //!
 //! Pages are created with the POSIX file-descriptor handle type where the device supports it
 //! (exportable: what IPC and NCCL registration need; it costs the same as no handle type), at
@@ -27,16 +33,39 @@ const MIN_SPARE_PAGES: usize = 8;
 /// ...or this fraction of the mapped pages (1/200 = 0.5%), whichever is more.
 const SPARE_DIVISOR: usize = 200;
 
+/// Consecutive pages queued for unmapping.
+#[derive(Debug)]
+struct Run {
+    start: DevPtr,
+    handles: Vec<Handle>,
+    /// for pages unmapped in stream order: the event (a `CUevent` as an address) after which
+    /// their work is complete, and the stream whose later work may already use their handles
+    after: Option<(usize, u64)>,
+}
+
+impl Run {
+    fn len(&self, page: u64) -> u64 {
+        self.handles.len() as u64 * page
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     /// the handle of every mapped page, by address
     mapped: FxHashMap<DevPtr, Handle>,
-    /// runs queued for unmapping: first address and the handles of its consecutive pages
-    queued: Vec<(DevPtr, Vec<Handle>)>,
+    /// runs queued for unmapping
+    queued: Vec<Run>,
     /// runs the worker is unmapping now
     in_flight: Vec<(DevPtr, u64)>,
     /// unmapped handles kept for the next map
     spare: Vec<Handle>,
+    /// handles whose old address waits for its stream's work (`unmap_after`), free for that
+    /// stream's next map: stream → handles
+    alias: FxHashMap<u64, Vec<Handle>>,
+    /// per handle, how many of its addresses wait for their stream's work
+    stale: FxHashMap<Handle, u32>,
+    /// idle events for `unmap_after` (as addresses)
+    events: Vec<usize>,
     /// the worker should stop
     stop: bool,
     /// the worker thread could not be started: unmap inline
@@ -53,6 +82,7 @@ struct Counters {
     releases_fg: AtomicU64,
     releases_bg: AtomicU64,
     waits: AtomicU64,
+    aliased: AtomicU64,
 }
 
 /// The page engine of one device.
@@ -167,7 +197,10 @@ impl Pages {
     pub(super) fn calls(&self) -> VmmCalls {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let spare = self.state.lock().spare.len() as u64;
+        let spare = {
+            let st = self.state.lock();
+            (st.spare.len() + st.alias.values().map(Vec::len).sum::<usize>()) as u64
+        };
         VmmCalls {
             foreground: get(&c.creates)
                 + get(&c.maps)
@@ -181,13 +214,21 @@ impl Pages {
             unmaps: get(&c.unmaps_fg) + get(&c.unmaps_bg),
             releases: get(&c.releases_fg) + get(&c.releases_bg),
             waits: get(&c.waits),
+            aliased: get(&c.aliased),
             spare_bytes: spare * self.page,
         }
     }
 
-    /// Map `[addr, addr + bytes)` (page-aligned, unmapped) with kept or new handles, then set
-    /// access for the whole range once (this device and `peers`). All or nothing.
-    pub(super) fn map(&self, addr: DevPtr, bytes: u64, peers: &[usize]) -> Result<()> {
+    /// Map `[addr, addr + bytes)` (page-aligned, unmapped) for work on `stream` with handles
+    /// that stream's `unmap_after` left, kept ones or new ones, then set access for the whole
+    /// range once (this device and `peers`). All or nothing.
+    pub(super) fn map(
+        &self,
+        addr: DevPtr,
+        bytes: u64,
+        peers: &[usize],
+        stream: Option<Stream>,
+    ) -> Result<()> {
         let page = self.page;
         let n = (bytes / page) as usize;
         let mut handles = {
@@ -201,8 +242,17 @@ impl Pages {
                     "page {p:#x} is already mapped"
                 )));
             }
-            let keep = st.spare.len().saturating_sub(n);
-            st.spare.split_off(keep)
+            let mut handles = Vec::with_capacity(n);
+            if let Some(list) = stream.and_then(|s| st.alias.get_mut(&s.0)) {
+                let keep = list.len().saturating_sub(n);
+                handles = list.split_off(keep);
+                self.counters
+                    .aliased
+                    .fetch_add(handles.len() as u64, Ordering::Relaxed);
+            }
+            let keep = st.spare.len().saturating_sub(n - handles.len());
+            handles.extend(st.spare.split_off(keep));
+            handles
         };
         let mut mapped = 0usize;
         let mut failed = None;
@@ -239,14 +289,20 @@ impl Pages {
             }
         }
         if let Some(e) = failed {
-            // all or nothing: unmap what this call mapped, keep every handle as a spare
+            // all or nothing: unmap what this call mapped; handles go back where they came
+            // from (one still mapped at an address waiting for its stream stays that stream's)
             if mapped > 0 {
                 // SAFETY: the pages were mapped just now by this call and are unused.
                 let _ = unsafe { sys::cuMemUnmap(addr, mapped * page as usize) };
                 self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
             }
             let mut st = self.state.lock();
-            st.spare.extend(handles);
+            for h in handles {
+                match stream.filter(|_| st.stale.contains_key(&h)) {
+                    Some(s) => st.alias.entry(s.0).or_default().push(h),
+                    None => st.spare.push(h),
+                }
+            }
             return Err(e);
         }
         let mut st = self.state.lock();
@@ -275,27 +331,12 @@ impl Pages {
     /// Queue the mapped pages of `[addr, addr + bytes)` for unmapping on the worker and return.
     /// The caller has made sure no queued work still touches them.
     pub(super) fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let page = self.page;
         let mut st = self.state.lock();
-        let mut p = addr;
-        let mut run: Option<(DevPtr, Vec<Handle>)> = None;
-        let mut runs = Vec::new();
-        while p < addr + bytes {
-            match st.mapped.remove(&p) {
-                Some(h) => match run.as_mut() {
-                    Some((start, hs)) if *start + hs.len() as u64 * page == p => hs.push(h),
-                    _ => runs.extend(run.replace((p, vec![h]))),
-                },
-                None => runs.extend(run.take()),
-            }
-            p += page;
-        }
-        runs.extend(run);
+        let runs = self.take_runs(&mut st, addr, bytes, None);
         if st.no_worker {
             drop(st);
-            for (start, hs) in runs {
-                self.unmap_run(start, &hs, false);
-                self.keep_or_release(hs, false);
+            for run in runs {
+                self.finish(run, false);
             }
             return Ok(());
         }
@@ -304,21 +345,189 @@ impl Pages {
         Ok(())
     }
 
+    /// Unmap the mapped pages of `[addr, addr + bytes)` in `stream`'s order: only work on
+    /// `stream` has used them and some may still be queued. Their handles are free at once for
+    /// `stream`'s next map (which the stream runs after that work); the addresses are unmapped
+    /// by the worker once an event recorded on `stream` now has completed.
+    pub(super) fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let pooled = self.state.lock().events.pop();
+        let ev = match pooled {
+            Some(ev) => ev as sys::CUevent,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda_err("cuEventCreate", e))?,
+        };
+        // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
+        if let Err(e) = unsafe { result::event::record(ev, raw(stream)) } {
+            self.state.lock().events.push(ev as usize);
+            return Err(cuda_err("cuEventRecord", e));
+        }
+        let mut st = self.state.lock();
+        let runs = self.take_runs(&mut st, addr, bytes, Some((ev as usize, stream.0)));
+        if runs.is_empty() {
+            st.events.push(ev as usize);
+            return Ok(());
+        }
+        for run in &runs {
+            for &h in &run.handles {
+                *st.stale.entry(h).or_default() += 1;
+            }
+            st.alias
+                .entry(stream.0)
+                .or_default()
+                .extend_from_slice(&run.handles);
+        }
+        if st.no_worker {
+            drop(st);
+            for run in runs {
+                self.finish(run, false);
+            }
+            return Ok(());
+        }
+        st.queued.extend(runs);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    /// Take the mapped pages of `[addr, addr + bytes)` out of the mapped set, as runs.
+    fn take_runs(
+        &self,
+        st: &mut State,
+        addr: DevPtr,
+        bytes: u64,
+        after: Option<(usize, u64)>,
+    ) -> Vec<Run> {
+        let page = self.page;
+        let mut p = addr;
+        let mut run: Option<Run> = None;
+        let mut runs = Vec::new();
+        let new = |start, h| Run {
+            start,
+            handles: vec![h],
+            after,
+        };
+        while p < addr + bytes {
+            match st.mapped.remove(&p) {
+                Some(h) => match run.as_mut() {
+                    Some(r) if r.start + r.len(page) == p => r.handles.push(h),
+                    _ => runs.extend(run.replace(new(p, h))),
+                },
+                None => runs.extend(run.take()),
+            }
+            p += page;
+        }
+        runs.extend(run);
+        // the runs after the first wait for the same event: give each its own record
+        // (rare: the pool unmaps one run per call)
+        if let Some((ev, stream)) = after {
+            for r in runs.iter_mut().skip(1) {
+                r.after = self.extra_event(st, ev, stream).map(|e| (e, stream));
+            }
+        }
+        runs
+    }
+
+    /// Another event recorded where `ev` was (on `stream`, just now); `None` if none can be
+    /// made (then that run is unmapped as soon as `ev`'s run is, which is as safe: the worker
+    /// handles runs in order and the first waits).
+    fn extra_event(&self, st: &mut State, _ev: usize, stream: u64) -> Option<usize> {
+        let ev = match st.events.pop() {
+            Some(ev) => ev as sys::CUevent,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ok()?,
+        };
+        // SAFETY: `ev` is ours and idle; the stream is live (the caller's, a moment ago).
+        match unsafe { result::event::record(ev, raw(Stream(stream))) } {
+            Ok(()) => Some(ev as usize),
+            Err(_) => {
+                st.events.push(ev as usize);
+                None
+            }
+        }
+    }
+
+    /// Unmap a run taken off the queue (waiting for its event first, if it has one) and put
+    /// its handles where they belong: a handle still mapped at another address waiting for
+    /// its stream stays where it is; one that `unmap_after` left for its stream and that
+    /// nobody mapped again becomes a spare once none of its addresses waits; the rest (pages
+    /// that were mapped and idle) become spares.
+    fn finish(&self, run: Run, background: bool) {
+        if let Some((ev, _)) = run.after {
+            self.wait_event(ev, background);
+        }
+        self.unmap_run(run.start, &run.handles, background);
+        let spare = match run.after {
+            None => run.handles,
+            Some((ev, stream)) => {
+                let mut st = self.state.lock();
+                st.events.push(ev);
+                let mut spare = Vec::new();
+                for h in run.handles {
+                    let left = match st.stale.get_mut(&h) {
+                        Some(n) => {
+                            *n -= 1;
+                            *n
+                        }
+                        None => 0,
+                    };
+                    if left > 0 {
+                        continue;
+                    }
+                    st.stale.remove(&h);
+                    // not mapped again: it was this stream's to map; now anyone's
+                    if let Some(list) = st.alias.get_mut(&stream) {
+                        if let Some(i) = list.iter().position(|&x| x == h) {
+                            list.swap_remove(i);
+                            spare.push(h);
+                        }
+                    }
+                }
+                spare
+            }
+        };
+        if !spare.is_empty() {
+            self.keep_or_release(spare, background);
+        }
+    }
+
+    /// Wait until event `ev` has completed: polled with short sleeps on the worker (no core
+    /// spinning), synchronised elsewhere.
+    fn wait_event(&self, ev: usize, background: bool) {
+        let ev = ev as sys::CUevent;
+        if background {
+            loop {
+                // SAFETY: `ev` was recorded by `unmap_after` and is destroyed only by us.
+                match unsafe { result::event::query(ev) } {
+                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {
+                        std::thread::sleep(std::time::Duration::from_micros(50))
+                    }
+                    _ => return,
+                }
+            }
+        }
+        self.counters.waits.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        if let Err(e) = unsafe { result::event::synchronize(ev) } {
+            tracing::warn!("gpumem: waiting for pages' work failed: {e:?}");
+        }
+    }
+
     /// Before `[addr, addr + bytes)` is mapped or released: unmap its queued runs here (taking
     /// them from the worker) and wait for the ones the worker is unmapping now.
     fn settle(&self, st: &mut parking_lot::MutexGuard<'_, State>, addr: DevPtr, bytes: u64) {
         let overlaps = |start: DevPtr, len: u64| start < addr + bytes && addr < start + len;
         let page = self.page;
-        let mine: Vec<(DevPtr, Vec<Handle>)> = {
+        let mine: Vec<Run> = {
             let (mine, rest) = std::mem::take(&mut st.queued)
                 .into_iter()
-                .partition(|(s, hs)| overlaps(*s, hs.len() as u64 * page));
+                .partition(|r| overlaps(r.start, r.len(page)));
             st.queued = rest;
             mine
         };
-        for (start, hs) in mine {
-            self.unmap_run(start, &hs, false);
-            st.spare.extend(hs);
+        if !mine.is_empty() {
+            parking_lot::MutexGuard::unlocked(st, || {
+                for run in mine {
+                    self.finish(run, false);
+                }
+            });
         }
         while st.in_flight.iter().any(|&(s, len)| overlaps(s, len)) {
             self.counters.waits.fetch_add(1, Ordering::Relaxed);
@@ -369,7 +578,13 @@ impl Pages {
             let cap = MIN_SPARE_PAGES.max(st.mapped.len() / SPARE_DIVISOR);
             st.spare.extend(hs);
             let keep = st.spare.len().min(cap);
-            st.spare.split_off(keep)
+            let extra = st.spare.split_off(keep);
+            // a handle still mapped at an address that waits for its stream is kept until
+            // that address is unmapped (released, its identity could be reused meanwhile)
+            let (stale, extra): (Vec<Handle>, Vec<Handle>) =
+                extra.into_iter().partition(|h| st.stale.contains_key(h));
+            st.spare.extend(stale);
+            extra
         };
         let c = if background {
             &self.counters.releases_bg
@@ -393,22 +608,32 @@ impl Pages {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
-        let (queued, mapped) = {
-            let mut st = self.state.lock();
-            (
-                std::mem::take(&mut st.queued),
-                std::mem::take(&mut st.mapped),
-            )
-        };
-        for (start, hs) in queued {
-            self.unmap_run(start, &hs, false);
-            self.keep_or_release(hs, false);
+        let queued = std::mem::take(&mut self.state.lock().queued);
+        for run in queued {
+            self.finish(run, false);
         }
+        let mapped = std::mem::take(&mut self.state.lock().mapped);
         for (p, h) in mapped {
             self.unmap_run(p, &[h], false);
-            self.keep_or_release(vec![h], false);
+            if !self.state.lock().stale.contains_key(&h) {
+                self.keep_or_release(vec![h], false);
+            }
         }
         self.trim();
+        let mut st = self.state.lock();
+        // every address waiting for a stream is unmapped by now: nothing is left aliased
+        debug_assert!(st.stale.is_empty(), "stale mappings left at shutdown");
+        let left: Vec<Handle> = st.alias.drain().flat_map(|(_, hs)| hs).collect();
+        let events = std::mem::take(&mut st.events);
+        drop(st);
+        for h in left {
+            // SAFETY: unmapped (every run was finished above) and owned by us alone.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        }
+        for ev in events {
+            // SAFETY: idle events owned by the engine.
+            let _ = unsafe { result::event::destroy(ev as sys::CUevent) };
+        }
     }
 }
 
@@ -435,20 +660,25 @@ fn worker(pages: std::sync::Weak<Pages>) {
             if st.stop {
                 return;
             }
+            // idle pages first: a run waiting for its stream must not hold them up
             let batch = std::mem::take(&mut st.queued);
-            st.in_flight = batch
-                .iter()
-                .map(|(s, hs)| (*s, hs.len() as u64 * p.page))
-                .collect();
+            st.in_flight = batch.iter().map(|r| (r.start, r.len(p.page))).collect();
             batch
         };
+        let (waiting, idle): (Vec<Run>, Vec<Run>) =
+            batch.into_iter().partition(|r| r.after.is_some());
         let mut handles = Vec::new();
-        for (start, hs) in batch {
-            p.unmap_run(start, &hs, true);
-            handles.extend(hs);
+        for run in idle {
+            p.unmap_run(run.start, &run.handles, true);
+            handles.extend(run.handles);
+        }
+        if !handles.is_empty() {
+            p.keep_or_release(handles, true);
+        }
+        for run in waiting {
+            p.finish(run, true);
         }
         p.state.lock().in_flight.clear();
         p.done.notify_all();
-        p.keep_or_release(handles, true);
     }
 }
