@@ -17,6 +17,11 @@ Workloads (seeded; bf16 autocast where training):
   resnet  torchvision ResNet-50, batch 64, SGD (a ResNet-like stack if torchvision is missing)
   kv      autoregressive decoding, 16 layers, KV caches grown with torch.cat (time: whole run)
   mixed   many tiny tensors next to a few huge ones (a data-processing style loop)
+  moe     mixture-of-experts training: 4 layers of 8 experts, top-2 routing, so the tokens
+          each expert gets vary every step; AdamW
+  resres  ResNet-50 training at an image size drawn per step (128..288), batch 32
+  serve   a serving loop: requests arrive and finish at random, each with its own KV cache
+          grown by torch.cat, up to 8 in flight (time: whole run)
 """
 import argparse
 import json
@@ -34,7 +39,9 @@ SETTINGS = {
     # page moves unbudgeted: the tightest memory, at the cost of driver time
     "gpumem_tight": {"GPUMEM_CONF": "expandable_move_budget:0"},
 }
-WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed"]
+WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve"]
+# workloads timed as a whole run (no steps)
+WHOLE_RUN = ("kv", "serve")
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -77,7 +84,7 @@ def run_gpt(torch, steps, varlen):
         yield lm_step(torch, m, opt, x)
 
 
-def run_resnet(torch, steps):
+def run_resnet(torch, steps, sizes=None, batch=64):
     try:
         import torchvision
 
@@ -99,8 +106,9 @@ def run_resnet(torch, steps):
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
-        x = torch.randn(64, 3, 224, 224, generator=g).cuda()
-        y = torch.randint(0, 1000, (64,), generator=g).cuda()
+        hw = 224 if sizes is None else sizes[int(torch.randint(0, len(sizes), (1,), generator=g))]
+        x = torch.randn(batch, 3, hw, hw, generator=g).cuda()
+        y = torch.randint(0, 1000, (batch,), generator=g).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(m(x).float(), y)
         loss.backward()
@@ -109,9 +117,8 @@ def run_resnet(torch, steps):
         yield loss
 
 
-def run_kv(torch, requests):
-    L, D, H = 16, 1024, 16
-    gw = torch.Generator().manual_seed(0)
+def lm_weights(torch, L, D, seed=0):
+    gw = torch.Generator().manual_seed(seed)
     w = [
         {
             k: (torch.randn(*s, generator=gw) * 0.02).to("cuda", torch.bfloat16)
@@ -120,19 +127,29 @@ def run_kv(torch, requests):
         for _ in range(L)
     ]
     emb = (torch.randn(32000, D, generator=gw) * 0.02).to("cuda", torch.bfloat16)
+    return w, emb
+
+
+def kv_layer(torch, p, x, cache, D, H):
+    b, t, _ = x.shape
+    q, k, v = (x @ p["qkv"]).split(D, dim=-1)
+    q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
+    if cache is not None:
+        k = torch.cat([cache[0], k], dim=2)
+        v = torch.cat([cache[1], v], dim=2)
+    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
+    x = x + a.transpose(1, 2).reshape(b, t, D) @ p["o"]
+    x = x + torch.nn.functional.gelu(x @ p["up"]) @ p["down"]
+    return x, (k, v)
+
+
+def run_kv(torch, requests):
+    L, D, H = 16, 1024, 16
+    w, emb = lm_weights(torch, L, D)
     g = torch.Generator().manual_seed(1)
 
     def layer(p, x, cache):
-        b, t, _ = x.shape
-        q, k, v = (x @ p["qkv"]).split(D, dim=-1)
-        q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
-        if cache is not None:
-            k = torch.cat([cache[0], k], dim=2)
-            v = torch.cat([cache[1], v], dim=2)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
-        x = x + a.transpose(1, 2).reshape(b, t, D) @ p["o"]
-        x = x + torch.nn.functional.gelu(x @ p["up"]) @ p["down"]
-        return x, (k, v)
+        return kv_layer(torch, p, x, cache, D, H)
 
     with torch.no_grad():
         for _ in range(requests):
@@ -172,6 +189,81 @@ def run_mixed(torch, steps):
         yield acc
 
 
+def run_moe(torch, steps):
+    D, E, F, L = 1024, 8, 4096, 4
+
+    class Moe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(D, E, bias=False)
+            self.up = torch.nn.Parameter(torch.randn(E, D, F) * 0.02)
+            self.down = torch.nn.Parameter(torch.randn(E, F, D) * 0.02)
+            self.norm = torch.nn.LayerNorm(D)
+
+        def forward(self, x):
+            h = self.norm(x)
+            w, idx = torch.softmax(self.gate(h), -1).topk(2, dim=-1)
+            out = torch.zeros_like(h)
+            for e in range(E):
+                rows, slot = (idx == e).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue
+                y = torch.nn.functional.gelu(h[rows] @ self.up[e]) @ self.down[e]
+                out = out.index_add(0, rows, (y * w[rows, slot, None]).to(out.dtype))
+            return x + out
+
+    m = torch.nn.Sequential(*[Moe() for _ in range(L)]).cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        tokens = 512 * int(torch.randint(4, 13, (1,), generator=g))
+        # inputs whose mean moves each step: the router's choice, hence the tokens per
+        # expert, changes from step to step
+        shift = torch.randn(1, D, generator=g) * 2
+        x = (torch.randn(tokens, D, generator=g) + shift).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
+
+
+def run_serve(torch, iterations):
+    L, D, H = 8, 1024, 16
+    w, emb = lm_weights(torch, L, D, seed=6)
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+    active = []  # [caches, next token, tokens left]
+    total = torch.zeros((), device="cuda")
+    with torch.no_grad():
+        for it in range(iterations):
+            # arrivals: up to 8 in flight, a new request with probability 1/3 per iteration
+            if len(active) < 8 and (not active or rnd(0, 3) == 0):
+                prompt = rnd(64, 1024)
+                x = emb[torch.randint(0, 32000, (1, prompt), generator=g).cuda()]
+                caches = []
+                for p in w:
+                    x, c = kv_layer(torch, p, x, None, D, H)
+                    caches.append(c)
+                active.append([caches, (x[:, -1] @ emb.T).argmax(-1), rnd(16, 384)])
+            # one decode step for every request in flight, each on its own caches
+            for r in active:
+                x = emb[r[1]][:, None]
+                for i, p in enumerate(w):
+                    x, r[0][i] = kv_layer(torch, p, x, r[0][i], D, H)
+                logits = (x[:, -1] @ emb.T).float()
+                r[1] = logits.argmax(-1)
+                total += logits.max(-1).values.sum()
+                r[2] -= 1
+            # departures free their caches
+            active = [r for r in active if r[2] > 0]
+            if it % 100 == 99:
+                yield total
+        active.clear()
+        yield total
+
+
 def worker(workload, setting, steps):
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -188,6 +280,9 @@ def worker(workload, setting, steps):
         "resnet": lambda: run_resnet(torch, steps),
         "kv": lambda: run_kv(torch, 3),
         "mixed": lambda: run_mixed(torch, steps),
+        "moe": lambda: run_moe(torch, steps),
+        "resres": lambda: run_resnet(torch, steps, sizes=[128, 160, 192, 224, 256, 288], batch=32),
+        "serve": lambda: run_serve(torch, 100 * steps),
     }[workload]()
     times, losses = [], []
     warm = 3
@@ -216,7 +311,7 @@ def worker(workload, setting, steps):
     out = {
         "workload": workload,
         "setting": setting,
-        "step_ms": statistics.median(times[warm:]) if workload != "kv" else total,
+        "step_ms": statistics.median(times[warm:]) if workload not in WHOLE_RUN else total,
         "total_ms": total,
         "steps": len(times),
         "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
@@ -228,12 +323,13 @@ def worker(workload, setting, steps):
             k: stats.get(k, 0)
             for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms",
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
-                      "vmm_calls_background", "vmm_spare_bytes")
+                      "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
+                      "num_ordered_unmaps")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:
             steady = len(times) - warm
-            for k in ("vmm_calls_foreground", "vmm_calls_background"):
+            for k in ("vmm_calls_foreground", "vmm_calls_background", "vmm_waits"):
                 out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -294,7 +390,8 @@ def main():
             if "gpumem" in r and "vmm_calls_foreground_per_step" in r["gpumem"]:
                 g = r["gpumem"]
                 calls = (f"  calls/step fg {g['vmm_calls_foreground_per_step']:.1f} "
-                         f"bg {g['vmm_calls_background_per_step']:.1f} syncs {g['num_unmap_syncs']}")
+                         f"bg {g['vmm_calls_background_per_step']:.1f} "
+                         f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']}")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")

@@ -275,6 +275,8 @@ impl CachingAllocator {
             total.vmm_calls_foreground = c.foreground;
             total.vmm_calls_background = c.background;
             total.vmm_spare_bytes = c.spare_bytes;
+            total.vmm_waits = c.waits;
+            total.vmm_aliased = c.aliased;
         }
         total
     }

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// Address ranges one stream may have before an allocation waits for moved pages to settle
+/// rather than taking fresh addresses.
+const MAX_RANGES_PER_STREAM: usize = 8;
+
 impl CachingPool {
     /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
     /// new segment) and map whatever pages of it are not mapped yet.
@@ -14,6 +18,28 @@ impl CachingPool {
         kind: PoolKind,
     ) -> Result<u32> {
         let id = match found {
+            // mapping there would wait for the GPU to pass pages moved from there in stream
+            // order: another free block that fits, if one does not
+            Some(id) if self.settling_under(id, size) => {
+                match self.settled_fit(stream, size, kind) {
+                    Some(other) => {
+                        self.enter_free(id);
+                        other
+                    }
+                    // fresh addresses: a new range of the stream's (address space is cheap,
+                    // within reason), else wait
+                    None if self.ranges_of(stream) < MAX_RANGES_PER_STREAM => {
+                        match self.grow_expandable(stream, size, kind) {
+                            Ok(other) => {
+                                self.enter_free(id);
+                                other
+                            }
+                            Err(_) => id,
+                        }
+                    }
+                    None => id,
+                }
+            }
             Some(id) => id,
             None => match self.grow_expandable(stream, size, kind) {
                 Ok(id) => id,
@@ -47,6 +73,66 @@ impl CachingPool {
                 Err(e)
             }
         }
+    }
+
+    /// Whether the first `size` bytes of block `id` hold unmapped pages that moved away in stream
+    /// order after the owner stream's last completed checkpoint: the old mapping of such a
+    /// page may still be in use, so mapping there would wait for the GPU.
+    pub(super) fn settling_under(&mut self, id: u32, size: u64) -> bool {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let (addr, seg) = {
+            let b = &self.blocks[id as usize];
+            (b.addr, b.segment)
+        };
+        let (base, owner) = {
+            let s = &self.segments[seg as usize];
+            (s.addr, s.stream)
+        };
+        let (p0, p1) = ((addr - base) / page, (addr + size - base).div_ceil(page));
+        let latest = match &self.segments[seg as usize].pages {
+            Some(pages) if !pages.moved.is_empty() => pages
+                .runs(p0, p1, false)
+                .into_iter()
+                .flat_map(|(f, n)| f..f + n)
+                .map(|p| pages.moved_at(p))
+                .max()
+                .unwrap_or(0),
+            _ => return false,
+        };
+        latest > 0 && latest > self.safe_tick(owner)
+    }
+
+    /// The smallest free block of `stream` and `kind` that fits `size` without
+    /// [settling](Self::settling_under) pages, among the few smallest and the largest (the
+    /// segment's never-mapped tail, usually); taken out of the free set.
+    fn settled_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
+        const CANDIDATES: usize = 16;
+        let slot = self.slot_of(stream)?;
+        let index = &self.free[slot][kind as usize];
+        let candidates: Vec<(u64, u32)> = index
+            .at_least(size)
+            .take(CANDIDATES)
+            .chain(index.largest_block())
+            .map(|(bsize, _, id)| (bsize, id))
+            .collect();
+        for (bsize, id) in candidates {
+            if bsize >= size && self.fits(size, bsize) && !self.settling_under(id, size) {
+                self.leave_free(id);
+                return Some(id);
+            }
+        }
+        None
+    }
+
+    /// The expandable segments (address ranges) of `stream`.
+    fn ranges_of(&self, stream: Stream) -> usize {
+        self.segment_index
+            .values()
+            .filter(|&&s| {
+                let s = &self.segments[s as usize];
+                s.pages.is_some() && s.stream == stream
+            })
+            .count()
     }
 
     /// Address space reserved for one expandable segment.
@@ -338,6 +424,11 @@ impl CachingPool {
             {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
+                    // settled once a checkpoint recorded after the next free completes
+                    let tick = self.tick + 1;
+                    if let Some(p) = self.segments[seg as usize].pages.as_mut() {
+                        p.mark_moved(first, first + n, tick);
+                    }
                     self.stats.num_ordered_unmaps += 1;
                     got += n * page;
                 }
@@ -406,6 +497,9 @@ pub(super) struct Pages {
     pub(super) high: u64,
     /// pool tick at which each page (below `high`) was last part of a block being freed
     pub(super) freed: Vec<u64>,
+    /// pool tick after which each page (below `high`) last moved away in stream order (0:
+    /// never; empty until a page does)
+    pub(super) moved: Vec<u64>,
 }
 
 impl Pages {
@@ -415,7 +509,24 @@ impl Pages {
             mapped: 0,
             high: 0,
             freed: Vec::new(),
+            moved: Vec::new(),
         }
+    }
+
+    pub(super) fn moved_at(&self, p: u64) -> u64 {
+        self.moved.get(p as usize).copied().unwrap_or(0)
+    }
+
+    /// Mark pages `[from, to)` as moved away in stream order, settled after `tick`.
+    pub(super) fn mark_moved(&mut self, from: u64, to: u64, tick: u64) {
+        let to = to.min(self.high);
+        if from >= to {
+            return;
+        }
+        if self.moved.len() < to as usize {
+            self.moved.resize(self.high as usize, 0);
+        }
+        self.moved[from as usize..to as usize].fill(tick);
     }
 
     pub(super) fn set(&mut self, first: u64, n: u64, on: bool) {

@@ -200,10 +200,15 @@ impl FreeIndex {
 
     /// Largest block size, if any.
     pub(crate) fn largest(&self) -> Option<u64> {
+        self.largest_block().map(|b| b.0)
+    }
+
+    /// The largest block `(size, addr, id)`, if any.
+    pub(crate) fn largest_block(&self) -> Option<(u64, u64, u32)> {
         let b = (0..BINS)
             .rev()
             .find(|&b| self.bitmap[b / 64] & (1 << (b % 64)) != 0)?;
-        self.bins[b].last().map(|k| decode(k).0)
+        self.bins[b].last().map(decode)
     }
 }
 

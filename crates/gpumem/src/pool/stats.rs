@@ -121,6 +121,11 @@ pub struct Stats {
     pub vmm_calls_foreground: u64,
     /// virtual-memory driver calls on the backend's own thread (unmapping, releasing)
     pub vmm_calls_background: u64,
+    /// times the backend waited for a stream's work before mapping over an address whose
+    /// pages moved in stream order (or for its own thread's unmapping)
+    pub vmm_waits: u64,
+    /// pages mapped with the memory of pages moved in stream order
+    pub vmm_aliased: u64,
     /// bytes of physical pages the backend keeps unmapped for the next map (not in
     /// `reserved_bytes`)
     pub vmm_spare_bytes: u64,

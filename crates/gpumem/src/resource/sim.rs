@@ -44,6 +44,13 @@ struct SimState {
     mapped: FxHashSet<DevPtr>,
     maps: u64,
     unmaps: u64,
+    /// pages unmapped in stream order whose old address is still mapped until the lagging
+    /// GPU passes the tick given (their memory went to the stream's next map)
+    settling: FxHashMap<DevPtr, u64>,
+    /// maps that had to wait for such an address
+    settle_waits: u64,
+    /// the earliest tick at which a settling page settles
+    settle_due: u64,
 }
 
 /// Counters of what the simulated device was asked to do.
@@ -67,6 +74,9 @@ pub struct SimCounters {
     pub unmaps: u64,
     /// bytes mapped into virtual-memory segments now (included in `used`)
     pub mapped_bytes: u64,
+    /// maps over an address unmapped in stream order whose stream's work had not completed
+    /// (a real device would wait for that work first)
+    pub settle_waits: u64,
 }
 
 /// A device with `capacity` bytes and no memory behind its addresses.
@@ -130,6 +140,10 @@ impl SimulatedDevice {
         if s.lag.is_some() && !s.pending.is_empty() {
             s.pending.retain(|_, due| *due > now);
         }
+        if s.settle_due <= now && !s.settling.is_empty() {
+            s.settling.retain(|_, due| *due > now);
+            s.settle_due = s.settling.values().copied().min().unwrap_or(u64::MAX);
+        }
     }
 
     /// What the device was asked to do so far.
@@ -145,6 +159,7 @@ impl SimulatedDevice {
             maps: s.maps,
             unmaps: s.unmaps,
             mapped_bytes: s.mapped.len() as u64 * SIM_GRANULARITY,
+            settle_waits: s.settle_waits,
         }
     }
 
@@ -260,6 +275,20 @@ impl VirtualMemory for SimulatedDevice {
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         let mut s = self.state.lock();
         check_pages(&s, addr, bytes, false)?;
+        if !s.settling.is_empty() {
+            let mut waited = false;
+            let mut page = addr;
+            while page < addr + bytes {
+                waited |= s.settling.remove(&page).is_some();
+                page += SIM_GRANULARITY;
+            }
+            if waited {
+                // the old mapping must go first, after the work that used it
+                s.settle_waits += 1;
+                s.pending.clear();
+                s.settling.clear();
+            }
+        }
         if s.used.checked_add(bytes).is_none_or(|u| u > self.capacity) {
             return Err(Error::ResourceExhausted {
                 resource: "simulated".into(),
@@ -287,6 +316,31 @@ impl VirtualMemory for SimulatedDevice {
         s.used -= bytes;
         s.unmaps += 1;
         Ok(())
+    }
+
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, _stream: Stream) -> Result<()> {
+        self.unmap(addr, bytes)?;
+        let mut s = self.state.lock();
+        if let Some(lag) = s.lag {
+            let due = s.clock.saturating_add(lag.max(1));
+            let mut page = addr;
+            while page < addr + bytes {
+                s.settling.insert(page, due);
+                page += SIM_GRANULARITY;
+            }
+            s.settle_due = s.settle_due.min(due);
+        }
+        Ok(())
+    }
+
+    fn calls(&self) -> crate::resource::VmmCalls {
+        let s = self.state.lock();
+        crate::resource::VmmCalls {
+            maps: s.maps,
+            unmaps: s.unmaps,
+            waits: s.settle_waits,
+            ..Default::default()
+        }
     }
 }
 
@@ -362,6 +416,7 @@ impl StreamOps for SimulatedDevice {
         // a lagging GPU has caught up once the host waited for it
         if s.lag.is_some() {
             s.pending.clear();
+            s.settling.clear();
         }
         Ok(())
     }

@@ -34,7 +34,8 @@ pub struct PolicyReport {
     pub ns_per_event: f64,
     /// segment allocations and frees, or page map and unmap calls (expandable segments)
     pub device_calls: u64,
-    /// host waits for a stream before unmapping pages
+    /// host waits for a stream before unmapping pages, or before mapping over an address whose
+    /// pages moved in stream order while that stream's work was still queued
     pub unmap_syncs: u64,
     /// modelled driver time on the allocating thread ([`CostModel`]; 0 for `recorded`), µs
     pub critical_path_us: f64,
@@ -69,8 +70,9 @@ pub struct CostModel {
     pub segment_us: f64,
     /// ... and a part per MiB
     pub segment_us_per_mib: f64,
-    /// a host wait for a stream or the device: the allocating thread stalls until the GPU has
-    /// caught up, which a trace does not record; this many µs each
+    /// a host wait for a stream or the device (or, before mapping over an address whose pages
+    /// moved in stream order, for that stream's work): the allocating thread stalls until the
+    /// GPU has caught up, which a trace does not record; this many µs each
     pub sync_stall_us: f64,
 }
 
@@ -94,7 +96,7 @@ impl CostModel {
     /// (allocating thread, background) µs of the driver work in `stats`, pages of `page` bytes
     /// where the pool had expandable segments.
     pub fn cost(&self, stats: &crate::Stats, page: Option<u64>) -> (f64, f64) {
-        let stalls = stats.num_unmap_syncs as f64 * self.sync_stall_us;
+        let stalls = (stats.num_unmap_syncs + stats.vmm_waits) as f64 * self.sync_stall_us;
         match page {
             Some(page) => {
                 let mapped = (stats.mapped_bytes / page) as f64;
@@ -352,7 +354,7 @@ fn replay_passes(
             largest_free_block_at_peak: at_peak.0,
             ns_per_event,
             device_calls: stats.num_device_alloc + stats.num_device_free,
-            unmap_syncs: stats.num_unmap_syncs,
+            unmap_syncs: stats.num_unmap_syncs + stats.vmm_waits,
             critical_path_us: fg_us,
             background_us: bg_us,
             critical_path_share: wall_us(events).map(|w| fg_us / w),
