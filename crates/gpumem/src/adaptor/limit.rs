@@ -143,9 +143,9 @@ impl VirtualMemory for Limit {
         })
     }
 
-    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         // the memory is the stream's to map again at once: the budget counts it free now
-        self.inner_vmm()?.unmap_after(addr, bytes, stream)?;
+        self.inner_vmm()?.unmap_after(addr, bytes, stream, busy)?;
         self.used.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }

@@ -302,10 +302,14 @@ impl CachingPool {
                 break;
             }
             let owner = self.segments[seg as usize].stream;
-            // 1: pages known to be idle
+            // 1: pages known to be idle; on the allocation path they go straight to the map
+            // that follows (no handle created for it, none left over)
             let safe = self.safe_tick(owner);
             let runs = self.free_mapped_runs(seg, want - got, safe);
-            got += self.unmap_runs(seg, runs);
+            got += match current {
+                Some(s) if !may_wait => self.unmap_runs_after(seg, runs, s, false),
+                _ => self.unmap_runs(seg, runs),
+            };
             if got >= want {
                 break;
             }
@@ -316,7 +320,7 @@ impl CachingPool {
             if own && !may_wait {
                 // 2: the stream's own pages move in stream order
                 let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
-                got += self.unmap_runs_after(seg, runs, owner);
+                got += self.unmap_runs_after(seg, runs, owner, true);
                 continue;
             }
             if own {
@@ -406,13 +410,14 @@ impl CachingPool {
         runs
     }
 
-    /// Unmap `runs` of `seg` in `stream`'s order (see [`VirtualMemory::unmap_after`]); returns
-    /// the bytes unmapped.
+    /// Unmap `runs` of `seg` for `stream`'s next map, in its order where the pages are `busy`
+    /// (see [`VirtualMemory::unmap_after`]); returns the bytes unmapped.
     pub(super) fn unmap_runs_after(
         &mut self,
         seg: u32,
         runs: Vec<(u64, u64)>,
         stream: Stream,
+        busy: bool,
     ) -> u64 {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let base = self.segments[seg as usize].addr;
@@ -420,16 +425,18 @@ impl CachingPool {
         for (first, n) in runs {
             match self
                 .vmm()
-                .and_then(|v| v.unmap_after(base + first * page, n * page, stream))
+                .and_then(|v| v.unmap_after(base + first * page, n * page, stream, busy))
             {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
-                    // settled once a checkpoint recorded after the next free completes
-                    let tick = self.tick + 1;
-                    if let Some(p) = self.segments[seg as usize].pages.as_mut() {
-                        p.mark_moved(first, first + n, tick);
+                    if busy {
+                        // settled once a checkpoint recorded after the next free completes
+                        let tick = self.tick + 1;
+                        if let Some(p) = self.segments[seg as usize].pages.as_mut() {
+                            p.mark_moved(first, first + n, tick);
+                        }
+                        self.stats.num_ordered_unmaps += 1;
                     }
-                    self.stats.num_ordered_unmaps += 1;
                     got += n * page;
                 }
                 Err(e) => tracing::warn!("gpumem: unmapping pages in stream order failed: {e}"),

@@ -165,13 +165,14 @@ pub trait VirtualMemory: Send + Sync {
     /// unmapping on a thread of its own). The caller has made sure no queued work still
     /// touches it.
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()>;
-    /// Unmap `[addr, addr + bytes)` in `stream`'s order: only work on `stream` has used the
-    /// range, and some of it may still be queued. Its physical memory may back
-    /// [`VirtualMemory::map_on`] for the same stream at once (the stream runs that work
-    /// first); the range itself is unmapped once the work queued on `stream` so far has
-    /// completed. By default (a resource without kernels) the same as `unmap`.
-    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
-        let _ = stream;
+    /// Unmap `[addr, addr + bytes)` for `stream`'s next [`VirtualMemory::map_on`], which may
+    /// take its physical memory at once. With `busy`, only work on `stream` has used the range
+    /// and some of it may still be queued (the next map's work runs after it, in stream
+    /// order): the range itself is unmapped once the work queued on `stream` so far has
+    /// completed. Without, no queued work touches the range. By default (a resource without
+    /// kernels) the same as `unmap`.
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
+        let _ = (stream, busy);
         self.unmap(addr, bytes)
     }
     /// [`VirtualMemory::map`] for work on `stream`: it may take the physical memory that

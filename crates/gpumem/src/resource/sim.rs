@@ -318,10 +318,10 @@ impl VirtualMemory for SimulatedDevice {
         Ok(())
     }
 
-    fn unmap_after(&self, addr: DevPtr, bytes: u64, _stream: Stream) -> Result<()> {
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, _stream: Stream, busy: bool) -> Result<()> {
         self.unmap(addr, bytes)?;
         let mut s = self.state.lock();
-        if let Some(lag) = s.lag {
+        if let (Some(lag), true) = (s.lag, busy) {
             let due = s.clock.saturating_add(lag.max(1));
             let mut page = addr;
             while page < addr + bytes {

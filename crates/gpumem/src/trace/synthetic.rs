@@ -1,13 +1,21 @@
 //! Synthetic allocation traces of the workload kinds that fragment caching allocators, built
-//! deterministically from a seed with the tensor sizes real models allocate:
+//! deterministically from a seed with the tensor sizes real models allocate. Each kind is a
+//! family: the seed draws the model (layers, width, batch, experts, ...) as well as the
+//! per-step shapes, so replaying many seeds tests a policy on workloads it was not tuned on.
 //!
+//! - [`Kind::FixedShape`]: transformer training with one shape every step (periodic);
 //! - [`Kind::VariableSeqLen`]: transformer training whose sequence length changes every step
 //!   (dynamic padding), so activation sizes never repeat;
-//! - [`Kind::KvCacheDecode`]: autoregressive decoding whose per-layer K and V caches grow by
-//!   concatenation (a new, one-token-larger tensor every step, the old one freed);
+//! - [`Kind::Moe`]: mixture-of-experts training, the tokens each expert gets drawn every step;
+//! - [`Kind::KvCacheDecode`]: autoregressive decoding over several rounds of varied batch and
+//!   prompt, whose per-layer K and V caches grow by concatenation (a new, one-token-larger
+//!   tensor every step, the old one freed);
+//! - [`Kind::Serving`]: a serving loop: requests arrive and finish at random, each with its own
+//!   per-layer caches grown by concatenation;
 //! - [`Kind::MixedTinyHuge`]: many short-lived tiny tensors next to a few huge, long-lived ones;
-//! - [`Kind::MultiStream`]: three streams each running its own training loop, interleaved;
-//! - [`Kind::ConvTraining`]: convnet training with fixed shapes (a ResNet-like ladder of sizes).
+//! - [`Kind::MultiStream`]: two to four streams each running its own training loop, interleaved;
+//! - [`Kind::ConvTraining`]: convnet training with fixed shapes (a ResNet-like ladder of sizes);
+//! - [`Kind::ConvVariableResolution`]: the same at an image size drawn per step.
 //!
 //! Every trace is JSON Lines compatible ([`TraceEvent`]): `alloc` / `free_completed` with unique
 //! addresses, no `segment_*` events (there is no recording allocator).
@@ -19,8 +27,16 @@ use rustc_hash::FxHashMap;
 /// The synthetic workload kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// transformer training, one shape every step
+    FixedShape,
     /// transformer training, sequence length drawn per step
     VariableSeqLen,
+    /// mixture-of-experts training, tokens per expert drawn per step
+    Moe,
+    /// a serving loop with arrivals, departures and per-request caches
+    Serving,
+    /// convnet training at an image size drawn per step
+    ConvVariableResolution,
     /// decoding with KV caches grown by concatenation
     KvCacheDecode,
     /// tiny short-lived tensors next to huge long-lived ones
@@ -33,18 +49,30 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 9] = [
+        Kind::FixedShape,
         Kind::VariableSeqLen,
+        Kind::Moe,
         Kind::KvCacheDecode,
+        Kind::Serving,
         Kind::MixedTinyHuge,
         Kind::MultiStream,
         Kind::ConvTraining,
+        Kind::ConvVariableResolution,
     ];
+
+    /// The kinds whose steps repeat exactly (after the first), where a pool should reach a
+    /// steady state with no driver calls.
+    pub const PERIODIC: [Kind; 2] = [Kind::FixedShape, Kind::ConvTraining];
 
     /// The kind's name (as `gpumem synth` takes it).
     pub fn name(self) -> &'static str {
         match self {
+            Kind::FixedShape => "fixed_shape",
             Kind::VariableSeqLen => "variable_seq_len",
+            Kind::Moe => "moe",
+            Kind::Serving => "serving",
+            Kind::ConvVariableResolution => "conv_variable_resolution",
             Kind::KvCacheDecode => "kv_cache_decode",
             Kind::MixedTinyHuge => "mixed_tiny_huge",
             Kind::MultiStream => "multi_stream",
@@ -58,39 +86,97 @@ impl Kind {
     }
 
     /// A trace of this kind; `scale` multiplies the number of steps (1 = a few seconds of
-    /// a real run, tens of thousands of events).
+    /// a real run, tens of thousands of events). The seed draws the model and the shapes.
     pub fn generate(self, seed: u64, scale: usize) -> Vec<TraceEvent> {
-        let mut t = Builder::new(seed);
-        let scale = scale.max(1);
+        self.generate_steps(seed, scale.max(1) * self.default_steps())
+    }
+
+    /// Steps (rounds, for decoding and serving) at scale 1.
+    fn default_steps(self) -> usize {
         match self {
-            Kind::VariableSeqLen => {
-                let w = t.weights(12, 1024, 0);
-                for _ in 0..6 * scale {
-                    let seq = 64 * (2 + t.rng.below(31)); // 128 .. 2048 tokens
-                    t.transformer_step(12, 1024, 16, 8, seq, 0);
+            Kind::FixedShape | Kind::VariableSeqLen => 6,
+            Kind::Moe => 6,
+            Kind::KvCacheDecode => 3,
+            Kind::Serving => 1,
+            Kind::MixedTinyHuge => 12_000,
+            Kind::MultiStream => 4,
+            Kind::ConvTraining | Kind::ConvVariableResolution => 5,
+        }
+    }
+
+    /// A trace of this kind with `steps` steps: for the periodic kinds, the first `n` steps of
+    /// the same seed are the same whatever `steps` is (a steady-state test compares `n` and
+    /// `n + 1`).
+    pub fn generate_steps(self, seed: u64, steps: usize) -> Vec<TraceEvent> {
+        let mut t = Builder::new(seed);
+        match self {
+            Kind::FixedShape | Kind::VariableSeqLen => {
+                let (layers, d, batch) = t.transformer_shape();
+                let heads = d / 64;
+                let w = t.weights(layers, d, 0);
+                let fixed = 128 * (2 + t.rng.below(15)); // 256 .. 2048 tokens
+                for _ in 0..steps {
+                    let seq = if self == Kind::FixedShape {
+                        fixed
+                    } else {
+                        64 * (2 + t.rng.below(31)) // 128 .. 2048 tokens
+                    };
+                    t.transformer_step(layers, d, heads, batch, seq, 0);
+                }
+                t.free_all(w);
+            }
+            Kind::Moe => {
+                let layers = 2 + t.rng.below(5);
+                let d = [512, 768, 1024, 2048][t.rng.below(4) as usize];
+                let experts = [4, 8, 16][t.rng.below(3) as usize];
+                let w = t.moe_weights(layers, d, experts);
+                for _ in 0..steps {
+                    let tokens = 512 * (1 + t.rng.below(16));
+                    t.moe_step(layers, d, experts, tokens);
                 }
                 t.free_all(w);
             }
             Kind::KvCacheDecode => {
-                let w = t.weights(24, 1024, 0);
-                for _ in 0..3 * scale {
-                    let prompt = 128 + t.rng.below(768);
-                    let new = 96 + t.rng.below(160);
-                    let batch = 4 + t.rng.below(5);
-                    t.decode(24, 1024, 16, batch, prompt, new);
+                let layers = 4 + t.rng.below(21);
+                let d = [512, 1024, 2048, 4096][t.rng.below(4) as usize];
+                let w = t.weights(layers, d, 0);
+                for _ in 0..steps {
+                    let prompt = 64 + t.rng.below(1024);
+                    let new = 32 + t.rng.below(128);
+                    let batch = 1 + t.rng.below(16);
+                    t.decode(layers, d, d / 64, batch, prompt, new);
                 }
                 t.free_all(w);
             }
-            Kind::MixedTinyHuge => t.mixed(12_000 * scale),
+            Kind::Serving => {
+                let layers = 4 + t.rng.below(9);
+                let d = [512, 1024, 2048][t.rng.below(3) as usize];
+                let in_flight = 4 + t.rng.below(9);
+                let w = t.weights(layers, d, 0);
+                let iterations = steps * (120 + t.rng.below(120) as usize);
+                t.serve(layers, d, in_flight, iterations);
+                t.free_all(w);
+            }
+            Kind::MixedTinyHuge => t.mixed(steps),
             Kind::MultiStream => {
-                let w = t.weights(6, 768, 0);
-                for _ in 0..4 * scale {
-                    // the three loops' events interleave in chunks, as streams' host threads do
+                let streams = 2 + t.rng.below(3);
+                let shapes: Vec<(u64, u64, u64)> = (0..streams)
+                    .map(|_| {
+                        let d = [512, 768, 1024][t.rng.below(3) as usize];
+                        (2 + t.rng.below(7), d, 1 + t.rng.below(4))
+                    })
+                    .collect();
+                let w: Vec<u64> = shapes
+                    .iter()
+                    .flat_map(|&(layers, d, _)| t.weights(layers, d, 0))
+                    .collect();
+                for _ in 0..steps {
+                    // the loops' events interleave in chunks, as streams' host threads do
                     let mut parts: Vec<Vec<TraceEvent>> = Vec::new();
-                    for s in 1..=3u64 {
+                    for (s, &(layers, d, batch)) in shapes.iter().enumerate() {
                         let mut sub = Builder::with_addr(t.rng.next_u64(), t.next_addr);
                         let seq = 64 * (4 + sub.rng.below(12));
-                        sub.transformer_step(6, 768, 12, 4, seq, s);
+                        sub.transformer_step(layers, d, d / 64, batch, seq, s as u64 + 1);
                         t.next_addr = sub.next_addr;
                         parts.push(sub.events);
                     }
@@ -98,9 +184,17 @@ impl Kind {
                 }
                 t.free_all(w);
             }
-            Kind::ConvTraining => {
-                for _ in 0..5 * scale {
-                    t.conv_step(32);
+            Kind::ConvTraining | Kind::ConvVariableResolution => {
+                let batch = [8, 16, 32, 64][t.rng.below(4) as usize];
+                let width = [1, 2][t.rng.below(2) as usize];
+                let fixed = 32 * (4 + t.rng.below(6)); // 128 .. 288 pixels
+                for _ in 0..steps {
+                    let hw = if self == Kind::ConvTraining {
+                        fixed
+                    } else {
+                        32 * (4 + t.rng.below(6))
+                    };
+                    t.conv_step(batch, hw, width);
                 }
             }
         }
@@ -233,9 +327,9 @@ impl Builder {
             self.free(t);
         }
         self.free_all(grads);
-        // a few small bookkeeping tensors
-        for _ in 0..8 {
-            let size = 4 << self.rng.below(12);
+        // a few small bookkeeping tensors (the same every step of one shape)
+        for i in 0..8 {
+            let size = 4 << ((i * 7 + s) % 12);
             let small = self.alloc(size, st);
             self.free(small);
         }
@@ -313,38 +407,189 @@ impl Builder {
         }
     }
 
-    /// A ResNet-like step: a ladder of activation sizes saved through the forward pass and
-    /// freed in reverse, with workspace temporaries.
-    fn conv_step(&mut self, batch: u64) {
+    /// A ResNet-like step at `hw` pixels (224 is ResNet-50's ladder) with channels times
+    /// `width`: activation sizes saved through the forward pass and freed in reverse, with
+    /// workspace temporaries. Gradients of the weights are kept by a fixed pattern, so that
+    /// steps of one shape repeat exactly.
+    fn conv_step(&mut self, batch: u64, hw: u64, width: u64) {
         let mut saved = Vec::new();
         let stages = [
-            (64u64, 112u64, 1),
-            (256, 56, 3),
-            (512, 28, 4),
-            (1024, 14, 6),
-            (2048, 7, 3),
+            (64u64, hw / 2, 1),
+            (256, hw / 4, 3),
+            (512, hw / 8, 4),
+            (1024, hw / 16, 6),
+            (2048, hw / 32, 3),
         ];
-        for &(c, hw, blocks) in &stages {
+        for &(c, side, blocks) in &stages {
+            let (c, side) = (c * width, side.max(1));
             for _ in 0..blocks {
                 for k in [c / 4, c / 4, c] {
                     let ws = self.alloc(8 << 20, 0); // convolution workspace
-                    saved.push(self.alloc(batch * k * hw * hw * BF16, 0));
-                    saved.push(self.alloc(batch * k * hw * hw * BF16, 0)); // batch norm
+                    saved.push(self.alloc(batch * k * side * side * BF16, 0));
+                    saved.push(self.alloc(batch * k * side * side * BF16, 0)); // batch norm
                     self.free(ws);
                 }
             }
         }
         let mut grads = Vec::new();
-        for a in saved.into_iter().rev() {
+        for (i, a) in saved.into_iter().rev().enumerate() {
             let size = self.live[&a].0;
             let g = self.alloc(size, 0);
-            if grads.len() < 160 && self.rng.below(2) == 0 {
+            if grads.len() < 160 && i % 2 == 0 {
                 grads.push(self.alloc((size / batch).max(512), 0));
             }
             self.free(g);
             self.free(a);
         }
         self.free_all(grads);
+    }
+
+    /// A transformer drawn from the seed: (layers, width, batch).
+    fn transformer_shape(&mut self) -> (u64, u64, u64) {
+        let layers = 2 + self.rng.below(15);
+        let d = [512, 768, 1024, 1536, 2048][self.rng.below(5) as usize];
+        let batch = 1 + self.rng.below(8);
+        (layers, d, batch)
+    }
+
+    /// Mixture-of-experts weights: per layer a router and `experts` MLPs (4 d wide), bf16 with
+    /// fp32 master copies and AdamW moments.
+    fn moe_weights(&mut self, layers: u64, d: u64, experts: u64) -> Vec<u64> {
+        let mut w = Vec::new();
+        for _ in 0..layers {
+            w.push(self.alloc(d * experts * F32, 0)); // router
+            for _ in 0..experts {
+                for n in [4 * d * d, 4 * d * d] {
+                    w.push(self.alloc(n * BF16, 0));
+                    w.push(self.alloc(n * F32, 0));
+                    w.push(self.alloc(n * F32, 0));
+                    w.push(self.alloc(n * F32, 0));
+                }
+            }
+            w.push(self.alloc(2 * d * F32, 0)); // norm
+        }
+        w
+    }
+
+    /// One MoE training step over `tokens` tokens, top-2 routing: each expert gets a share
+    /// drawn this step; forward saves per-expert activations, backward frees them in reverse
+    /// with gradient temporaries and per-expert weight gradients, then an optimizer step.
+    fn moe_step(&mut self, layers: u64, d: u64, experts: u64, tokens: u64) {
+        let x = self.alloc(tokens * d * BF16, 0);
+        let mut saved: Vec<Vec<u64>> = Vec::new();
+        for _ in 0..layers {
+            let mut keep = Vec::new();
+            keep.push(self.alloc(tokens * d * BF16, 0)); // norm out
+            let logits = self.alloc(tokens * experts * F32, 0);
+            keep.push(self.alloc(tokens * 2 * 8, 0)); // top-2 indices
+            keep.push(self.alloc(tokens * 2 * F32, 0)); // top-2 weights
+            self.free(logits);
+            // the router's choice this step: skewed shares of 2 * tokens
+            let shares: Vec<u64> = (0..experts).map(|_| 1 + self.rng.below(100)).collect();
+            let total: u64 = shares.iter().sum();
+            let out = self.alloc(tokens * d * BF16, 0);
+            for &sh in &shares {
+                let n = (2 * tokens * sh / total).max(1);
+                keep.push(self.alloc(n * 8, 0)); // row indices
+                keep.push(self.alloc(n * d * BF16, 0)); // gathered input
+                keep.push(self.alloc(4 * n * d * BF16, 0)); // up
+                keep.push(self.alloc(4 * n * d * BF16, 0)); // gelu
+                let y = self.alloc(n * d * BF16, 0);
+                let weighted = self.alloc(n * d * BF16, 0);
+                self.free(y);
+                self.free(weighted);
+            }
+            keep.push(out);
+            saved.push(keep);
+        }
+        let loss = self.alloc(512, 0);
+        let mut grads = Vec::new();
+        for keep in saved.into_iter().rev() {
+            let gx = self.alloc(tokens * d * BF16, 0);
+            for _ in 0..experts {
+                grads.push(self.alloc(4 * d * d * F32, 0));
+                grads.push(self.alloc(4 * d * d * F32, 0));
+            }
+            for a in keep.into_iter().rev() {
+                let size = self.live[&a].0;
+                let g = self.alloc(size, 0);
+                self.free(g);
+                self.free(a);
+            }
+            self.free(gx);
+        }
+        self.free(loss);
+        self.free(x);
+        for &g in &grads {
+            let size = self.live[&g].0;
+            let t = self.alloc(size, 0);
+            self.free(t);
+        }
+        self.free_all(grads);
+    }
+
+    /// A serving loop of `iterations`: a request arrives with probability 1/3 per iteration
+    /// while fewer than `in_flight` run (prefill: per-layer K and V caches of its prompt);
+    /// every iteration each request decodes one token (each cache replaced by a one-token
+    /// longer copy, with temporaries); a request leaves after its drawn length, freeing its
+    /// caches.
+    fn serve(&mut self, layers: u64, d: u64, in_flight: u64, iterations: usize) {
+        let per_token = d * BF16;
+        struct Req {
+            caches: Vec<u64>,
+            len: u64,
+            left: u64,
+        }
+        let mut active: Vec<Req> = Vec::new();
+        for _ in 0..iterations {
+            if (active.len() as u64) < in_flight && (active.is_empty() || self.rng.below(3) == 0) {
+                let prompt = 32 + self.rng.below(1024);
+                let caches = (0..2 * layers)
+                    .map(|_| self.alloc(prompt * per_token, 0))
+                    .collect();
+                let scores = self.alloc((d / 64) * prompt * prompt * BF16, 0);
+                self.free(scores);
+                active.push(Req {
+                    caches,
+                    len: prompt,
+                    left: 8 + self.rng.below(256),
+                });
+            }
+            for r in active.iter_mut() {
+                r.len += 1;
+                let mut x = self.alloc(d * BF16, 0);
+                for l in 0..layers as usize {
+                    let qkv = self.alloc(3 * d * BF16, 0);
+                    let k = self.alloc(r.len * per_token, 0);
+                    let v = self.alloc(r.len * per_token, 0);
+                    let attn = self.alloc(d * BF16, 0);
+                    self.free(qkv);
+                    let mlp = self.alloc(4 * d * BF16, 0);
+                    let out = self.alloc(d * BF16, 0);
+                    self.free(mlp);
+                    self.free(attn);
+                    self.free(x);
+                    x = out;
+                    let (old_k, old_v) = (r.caches[2 * l], r.caches[2 * l + 1]);
+                    self.free(old_k);
+                    self.free(old_v);
+                    r.caches[2 * l] = k;
+                    r.caches[2 * l + 1] = v;
+                }
+                let logits = self.alloc(32_000 * F32, 0);
+                self.free(logits);
+                self.free(x);
+                r.left -= 1;
+            }
+            let (done, still): (Vec<Req>, Vec<Req>) = active.drain(..).partition(|r| r.left == 0);
+            active = still;
+            for r in done {
+                self.free_all(r.caches);
+            }
+        }
+        for r in active {
+            self.free_all(r.caches);
+        }
     }
 
     /// Append the events of `parts` interleaved in chunks of a few events.

@@ -157,9 +157,9 @@ impl VirtualMemory for CudaDevice {
         self.map_for(addr, bytes, Some(stream))
     }
 
-    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         self.ops.bind()?;
-        self.pages()?.unmap_after(addr, bytes, stream)
+        self.pages()?.unmap_after(addr, bytes, stream, busy)
     }
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {

@@ -38,9 +38,12 @@ const SPARE_DIVISOR: usize = 200;
 struct Run {
     start: DevPtr,
     handles: Vec<Handle>,
-    /// for pages unmapped in stream order: the event (a `CUevent` as an address) after which
-    /// their work is complete, and the stream whose later work may already use their handles
-    after: Option<(usize, u64)>,
+    /// for pages whose work may still run: the event (a `CUevent` as an address) after which
+    /// it is complete
+    event: Option<usize>,
+    /// for pages moved to a stream (`unmap_after`): that stream, whose next map may already
+    /// use their handles
+    alias: Option<u64>,
 }
 
 impl Run {
@@ -332,7 +335,7 @@ impl Pages {
     /// The caller has made sure no queued work still touches them.
     pub(super) fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         let mut st = self.state.lock();
-        let runs = self.take_runs(&mut st, addr, bytes, None);
+        let runs = self.take_runs(&mut st, addr, bytes, None, None);
         if st.no_worker {
             drop(st);
             for run in runs {
@@ -345,26 +348,38 @@ impl Pages {
         Ok(())
     }
 
-    /// Unmap the mapped pages of `[addr, addr + bytes)` in `stream`'s order: only work on
-    /// `stream` has used them and some may still be queued. Their handles are free at once for
-    /// `stream`'s next map (which the stream runs after that work); the addresses are unmapped
-    /// by the worker once an event recorded on `stream` now has completed.
-    pub(super) fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
-        let pooled = self.state.lock().events.pop();
-        let ev = match pooled {
-            Some(ev) => ev as sys::CUevent,
-            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| cuda_err("cuEventCreate", e))?,
+    /// Move the mapped pages of `[addr, addr + bytes)` to `stream`: their handles are free at
+    /// once for `stream`'s next map, and the addresses are unmapped by the worker. With `busy`,
+    /// only work on `stream` has used the pages and some may still be queued: the next map's
+    /// work runs after it (stream order), and the addresses are unmapped once an event recorded
+    /// on `stream` now has completed. Without, the pages are idle and are unmapped at once.
+    pub(super) fn unmap_after(
+        &self,
+        addr: DevPtr,
+        bytes: u64,
+        stream: Stream,
+        busy: bool,
+    ) -> Result<()> {
+        let ev = if busy {
+            let pooled = self.state.lock().events.pop();
+            let ev = match pooled {
+                Some(ev) => ev as sys::CUevent,
+                None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| cuda_err("cuEventCreate", e))?,
+            };
+            // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
+            if let Err(e) = unsafe { result::event::record(ev, raw(stream)) } {
+                self.state.lock().events.push(ev as usize);
+                return Err(cuda_err("cuEventRecord", e));
+            }
+            Some(ev as usize)
+        } else {
+            None
         };
-        // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
-        if let Err(e) = unsafe { result::event::record(ev, raw(stream)) } {
-            self.state.lock().events.push(ev as usize);
-            return Err(cuda_err("cuEventRecord", e));
-        }
         let mut st = self.state.lock();
-        let runs = self.take_runs(&mut st, addr, bytes, Some((ev as usize, stream.0)));
+        let runs = self.take_runs(&mut st, addr, bytes, ev, Some(stream.0));
         if runs.is_empty() {
-            st.events.push(ev as usize);
+            st.events.extend(ev);
             return Ok(());
         }
         for run in &runs {
@@ -394,7 +409,8 @@ impl Pages {
         st: &mut State,
         addr: DevPtr,
         bytes: u64,
-        after: Option<(usize, u64)>,
+        event: Option<usize>,
+        alias: Option<u64>,
     ) -> Vec<Run> {
         let page = self.page;
         let mut p = addr;
@@ -403,7 +419,8 @@ impl Pages {
         let new = |start, h| Run {
             start,
             handles: vec![h],
-            after,
+            event,
+            alias,
         };
         while p < addr + bytes {
             match st.mapped.remove(&p) {
@@ -418,9 +435,9 @@ impl Pages {
         runs.extend(run);
         // the runs after the first wait for the same event: give each its own record
         // (rare: the pool unmaps one run per call)
-        if let Some((ev, stream)) = after {
+        if let (Some(_), Some(stream)) = (event, alias) {
             for r in runs.iter_mut().skip(1) {
-                r.after = self.extra_event(st, ev, stream).map(|e| (e, stream));
+                r.event = self.extra_event(st, stream);
             }
         }
         runs
@@ -429,7 +446,7 @@ impl Pages {
     /// Another event recorded where `ev` was (on `stream`, just now); `None` if none can be
     /// made (then that run is unmapped as soon as `ev`'s run is, which is as safe: the worker
     /// handles runs in order and the first waits).
-    fn extra_event(&self, st: &mut State, _ev: usize, stream: u64) -> Option<usize> {
+    fn extra_event(&self, st: &mut State, stream: u64) -> Option<usize> {
         let ev = match st.events.pop() {
             Some(ev) => ev as sys::CUevent,
             None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ok()?,
@@ -450,15 +467,15 @@ impl Pages {
     /// nobody mapped again becomes a spare once none of its addresses waits; the rest (pages
     /// that were mapped and idle) become spares.
     fn finish(&self, run: Run, background: bool) {
-        if let Some((ev, _)) = run.after {
+        if let Some(ev) = run.event {
             self.wait_event(ev, background);
         }
         self.unmap_run(run.start, &run.handles, background);
-        let spare = match run.after {
+        let spare = match run.alias {
             None => run.handles,
-            Some((ev, stream)) => {
+            Some(stream) => {
                 let mut st = self.state.lock();
-                st.events.push(ev);
+                st.events.extend(run.event);
                 let mut spare = Vec::new();
                 for h in run.handles {
                     let left = match st.stale.get_mut(&h) {
@@ -666,11 +683,15 @@ fn worker(pages: std::sync::Weak<Pages>) {
             batch
         };
         let (waiting, idle): (Vec<Run>, Vec<Run>) =
-            batch.into_iter().partition(|r| r.after.is_some());
+            batch.into_iter().partition(|r| r.event.is_some());
         let mut handles = Vec::new();
         for run in idle {
-            p.unmap_run(run.start, &run.handles, true);
-            handles.extend(run.handles);
+            if run.alias.is_some() {
+                p.finish(run, true);
+            } else {
+                p.unmap_run(run.start, &run.handles, true);
+                handles.extend(run.handles);
+            }
         }
         if !handles.is_empty() {
             p.keep_or_release(handles, true);
