@@ -324,7 +324,7 @@ def worker(workload, setting, steps):
             for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms",
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
-                      "num_ordered_unmaps")
+                      "num_ordered_unmaps", "expandable_slack_level")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:
@@ -391,7 +391,8 @@ def main():
                 g = r["gpumem"]
                 calls = (f"  calls/step fg {g['vmm_calls_foreground_per_step']:.1f} "
                          f"bg {g['vmm_calls_background_per_step']:.1f} "
-                         f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']}")
+                         f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']} "
+                         f"level {g.get('expandable_slack_level', 0)}")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")

@@ -270,6 +270,8 @@ impl CachingAllocator {
             total.merge(&self.shard(j).stats());
         }
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
+        total.expandable_slack_level =
+            u64::from(self.inner.shared.churn_level.load(Ordering::Relaxed));
         if let Some(v) = self.inner.backend.virtual_memory() {
             let c = v.calls();
             total.vmm_calls_foreground = c.foreground;

@@ -105,9 +105,8 @@ fn periodic_jobs_make_no_driver_calls_in_steady_state() {
             for lag in [None, Some(300), Some(3000)] {
                 let calls = |steps| {
                     let events = kind.generate_steps(seed, steps);
-                    let r =
-                        replay_simulated("p", &events, &Config::default(), SIM_CAPACITY, lag)
-                            .unwrap();
+                    let r = replay_simulated("p", &events, &Config::default(), SIM_CAPACITY, lag)
+                        .unwrap();
                     r.report.device_calls
                 };
                 let (a, b) = (calls(5), calls(6));

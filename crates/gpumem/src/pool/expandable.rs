@@ -7,6 +7,11 @@ use super::*;
 /// rather than taking fresh addresses.
 const MAX_RANGES_PER_STREAM: usize = 8;
 
+/// Pages a run of busy free pages needs before it moves in stream order (see
+/// `reclaim_pages`); chosen on replays of the real traces and the workload families with a
+/// lagging GPU (1, 2, 4, 8 and 16 compared).
+const MIN_ORDERED_RUN: u64 = 4;
+
 impl CachingPool {
     /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
     /// new segment) and map whatever pages of it are not mapped yet.
@@ -17,6 +22,18 @@ impl CachingPool {
         size: u64,
         kind: PoolKind,
     ) -> Result<u32> {
+        // a block whose pages are all mapped needs no driver call: the smallest such among the
+        // few smallest that fit, before the best fit that would map pages
+        let found = match found {
+            Some(id) if !self.mapped_under(id, size) => match self.mapped_fit(stream, size, kind) {
+                Some(m) => {
+                    self.enter_free(id);
+                    Some(m)
+                }
+                None => Some(id),
+            },
+            f => f,
+        };
         let id = match found {
             // mapping there would wait for the GPU to pass pages moved from there in stream
             // order: another free block that fits, if one does not
@@ -117,6 +134,39 @@ impl CachingPool {
             .collect();
         for (bsize, id) in candidates {
             if bsize >= size && self.fits(size, bsize) && !self.settling_under(id, size) {
+                self.leave_free(id);
+                return Some(id);
+            }
+        }
+        None
+    }
+
+    /// Whether the first `size` bytes of block `id` are all mapped.
+    pub(super) fn mapped_under(&self, id: u32, size: u64) -> bool {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let b = &self.blocks[id as usize];
+        let s = &self.segments[b.segment as usize];
+        let (p0, p1) = (
+            (b.addr - s.addr) / page,
+            (b.addr + size - s.addr).div_ceil(page),
+        );
+        match &s.pages {
+            Some(pages) => pages.next_with(p0, p1, false) >= p1,
+            None => true,
+        }
+    }
+
+    /// The smallest free block among the few smallest that fit `size` whose first `size`
+    /// bytes are all mapped; taken out of the free set.
+    fn mapped_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
+        let slot = self.slot_of(stream)?;
+        let candidates: Vec<(u64, u32)> = self.free[slot][kind as usize]
+            .at_least(size)
+            .take(32)
+            .map(|(bsize, _, id)| (bsize, id))
+            .collect();
+        for (bsize, id) in candidates {
+            if bsize >= size && self.fits(size, bsize) && self.mapped_under(id, size) {
                 self.leave_free(id);
                 return Some(id);
             }
@@ -318,8 +368,14 @@ impl CachingPool {
             }
             let own = Some(owner) == current;
             if own && !may_wait {
-                // 2: the stream's own pages move in stream order
-                let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
+                // 2: the stream's own pages move in stream order, in runs of a few pages at
+                // least: the old addresses stay unusable until the stream's work passes them,
+                // which for small runs scattered among live blocks costs more than it saves
+                let runs: Vec<(u64, u64)> = self
+                    .free_mapped_runs(seg, want - got, u64::MAX)
+                    .into_iter()
+                    .filter(|r| r.1 >= MIN_ORDERED_RUN)
+                    .collect();
                 got += self.unmap_runs_after(seg, runs, owner, true);
                 continue;
             }

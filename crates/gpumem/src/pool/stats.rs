@@ -121,6 +121,9 @@ pub struct Stats {
     pub vmm_calls_foreground: u64,
     /// virtual-memory driver calls on the backend's own thread (unmapping, releasing)
     pub vmm_calls_background: u64,
+    /// the page-churn level the pool reached (0 = the configured `expandable_slack`; each
+    /// level doubles it: moves were too many or took too long), filled in by the allocator
+    pub expandable_slack_level: u64,
     /// times the backend waited for a stream's work before mapping over an address whose
     /// pages moved in stream order (or for its own thread's unmapping)
     pub vmm_waits: u64,
