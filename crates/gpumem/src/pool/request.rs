@@ -109,6 +109,18 @@ impl CachingPool {
     pub(super) fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
         let kind = Self::kind_of(size);
         let id = match self.best_fit(stream, size, kind) {
+            // expandable: a block that would need pages mapped while freed blocks wait in the
+            // quick cache, unmerged: merge them first (left there, they fragment the segment
+            // and its mapped pages)
+            Some(id)
+                if self.policy.page.is_some()
+                    && !self.quick.is_empty()
+                    && !self.mapped_under(id, size) =>
+            {
+                self.enter_free(id);
+                self.flush_quick();
+                self.best_fit(stream, size, kind)
+            }
             Some(id) => Some(id),
             None if !self.quick.is_empty() => {
                 self.flush_quick();
