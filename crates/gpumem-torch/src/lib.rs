@@ -163,6 +163,118 @@ pub extern "C" fn gpumem_alloc(size: isize, device: c_int, stream: *mut c_void) 
     })
 }
 
+/// [`gpumem_alloc`] for the native torch allocator (`csrc/allocator.cpp`): on failure the
+/// reason (gpumem's explanation: requested, free, reserved, allocated, largest free block,
+/// budget) is written NUL-terminated into `err` (at most `errlen` bytes) and `*oom` is set to
+/// 1 when the device is out of memory (after gpumem emptied its cache and retried), else 0.
+///
+/// # Safety
+/// `err` must be null or hold `errlen` writable bytes; `oom` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_alloc_checked(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+    err: *mut c_char,
+    errlen: usize,
+    oom: *mut c_int,
+) -> *mut c_void {
+    let result = guard(Err((false, "gpumem panicked".to_string())), || {
+        if size <= 0 {
+            return Err((false, format!("allocation of {size} bytes")));
+        }
+        let a = allocator(device).ok_or_else(|| {
+            (
+                false,
+                format!("device {device} could not be initialised (see the log)"),
+            )
+        })?;
+        a.allocate_ptr(Stream(stream as u64), size as usize, 512)
+            .map_err(|e| (e.is_out_of_memory(), e.to_string()))
+    });
+    match result {
+        Ok(p) => p as *mut c_void,
+        Err((is_oom, msg)) => {
+            if !oom.is_null() {
+                // SAFETY: the caller's contract.
+                unsafe { *oom = c_int::from(is_oom) };
+            }
+            if !err.is_null() && errlen > 0 {
+                let bytes = msg.as_bytes();
+                let n = bytes.len().min(errlen - 1);
+                // SAFETY: `err` holds `errlen` bytes (the caller's contract); n + 1 <= errlen.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), err as *mut u8, n);
+                    *err.add(n) = 0;
+                }
+            }
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Free `ptr`, allocated on any device (the native torch allocator's deleter knows only the
+/// pointer); 0 on success, -1 if no device knows it.
+#[no_mangle]
+pub extern "C" fn gpumem_free_ptr(ptr: *mut c_void) -> c_int {
+    guard(-1, || {
+        if ptr.is_null() {
+            return 0;
+        }
+        let Some(set) = state().devices.as_ref() else {
+            return -1;
+        };
+        for d in set.made() {
+            if d.deallocate_ptr(ptr as u64).is_ok() {
+                return 0;
+            }
+        }
+        state().refused.bad_frees.fetch_add(1, Ordering::Relaxed);
+        log_once("free", || format!("free of {ptr:?}: no device knows it"));
+        -1
+    })
+}
+
+/// Fill `out[i]` with the statistic named `keys[i]` (`torch.cuda.memory_stats()` names such as
+/// `"allocated_bytes.all.current"`; 0 where gpumem has no such figure) for `device`; 0 on
+/// success, -1 if the device cannot be used.
+///
+/// # Safety
+/// `keys` must hold `n` NUL-terminated strings and `out` `n` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_stats_values(
+    device: c_int,
+    keys: *const *const c_char,
+    out: *mut i64,
+    n: usize,
+) -> c_int {
+    guard(-1, || {
+        let Some(a) = allocator(device) else {
+            return -1;
+        };
+        if n == 0 || keys.is_null() || out.is_null() {
+            return 0;
+        }
+        let map = a.stats().to_flat_map();
+        for i in 0..n {
+            // SAFETY: the caller's contract: `keys` holds `n` C strings, `out` `n` values.
+            unsafe {
+                let k = std::ffi::CStr::from_ptr(*keys.add(i)).to_string_lossy();
+                *out.add(i) = map.get(k.as_ref()).map_or(0, |&v| v as i64);
+            }
+        }
+        0
+    })
+}
+
+/// The largest free block of `device` (`torch.cuda` cache info), 0 if none or no device.
+#[no_mangle]
+pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
+    guard(0, || {
+        allocator(device).map_or(0, |a| a.largest_free_block())
+    })
+}
+
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)` for PyTorch. The
 /// block goes back to the pool ordered on the stream it was allocated on.
 #[no_mangle]
@@ -392,6 +504,48 @@ mod tests {
         gpumem_free(ok, 4096, 0, s);
         gpumem_reset_peak(0);
         assert_eq!(stat("allocated_bytes.all.peak"), 0);
+        // the native torch allocator's calls: an explained out-of-memory, frees by pointer
+        // alone, statistics by name, the largest free block
+        let mut err = [0 as c_char; 256];
+        let mut oom: c_int = -1;
+        assert_eq!(gpumem_set_memory_fraction(1e-9, 0), 0);
+        // SAFETY: `err` holds 256 bytes, `oom` is writable.
+        let p = unsafe { gpumem_alloc_checked(1 << 30, 0, s, err.as_mut_ptr(), 256, &mut oom) };
+        assert!(p.is_null());
+        assert_eq!(oom, 1);
+        // SAFETY: the function wrote a NUL-terminated string into `err`.
+        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+        assert!(msg.contains("out of memory"), "{msg}");
+        assert_eq!(gpumem_set_memory_fraction(1.0, 0), 0);
+        // SAFETY: as above.
+        let bad = unsafe { gpumem_alloc_checked(-1, 0, s, err.as_mut_ptr(), 256, &mut oom) };
+        assert!(bad.is_null());
+        assert_eq!(oom, 0);
+        // SAFETY: null buffers are allowed.
+        let p = unsafe {
+            gpumem_alloc_checked(5000, 0, s, std::ptr::null_mut(), 0, std::ptr::null_mut())
+        };
+        assert!(!p.is_null());
+        let keys = [
+            c"allocated_bytes.all.current".as_ptr(),
+            c"no.such.key".as_ptr(),
+        ];
+        let mut out = [-1i64; 2];
+        // SAFETY: two keys, two values.
+        assert_eq!(
+            unsafe { gpumem_stats_values(0, keys.as_ptr(), out.as_mut_ptr(), 2) },
+            0
+        );
+        assert_eq!(out, [5120, 0]);
+        // SAFETY: as above; device 7 does not exist.
+        assert_eq!(
+            unsafe { gpumem_stats_values(7, keys.as_ptr(), out.as_mut_ptr(), 2) },
+            -1
+        );
+        assert_eq!(gpumem_free_ptr(p), 0);
+        assert_eq!(gpumem_free_ptr(p), -1, "a double free is refused");
+        assert_eq!(gpumem_free_ptr(std::ptr::null_mut()), 0);
+        assert!(gpumem_largest_free_block(0) >= 5120);
         gpumem_empty_cache();
         assert_eq!(stat("reserved_bytes.all.current"), 0);
     }

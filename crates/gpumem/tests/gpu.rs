@@ -468,3 +468,65 @@ fn replay_on_the_gpu_agrees_with_the_simulation() {
         assert!(diff <= 0.01, "{conf:?}: {diff}");
     }
 }
+
+/// Threads of this process whose name starts with `prefix`.
+fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    std::fs::read_to_string(e.path().join("comm"))
+                        .is_ok_and(|n| n.trim_end().starts_with(prefix))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Dropping a device with pages moved in stream order, kept handles and queued unmaps stops the
+/// page engine's thread and gives every page back: no thread and no device memory left.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
+    let g = gpu();
+    let st = g.ctx.new_stream().unwrap();
+    let s = Stream::from(&*st);
+    let device_free = || {
+        g.ctx.bind_to_thread().unwrap();
+        cudarc::driver::result::mem_get_info().unwrap().0 as u64
+    };
+    let free_before = device_free();
+    let workers_before = threads_named("gpumem-pages");
+    {
+        let a = Device::cuda(0, Config::parse("shards:1,expandable_slack:0").unwrap()).unwrap();
+        assert!(a.expandable());
+        assert_eq!(threads_named("gpumem-pages"), workers_before + 1);
+        let mut live = Vec::new();
+        for k in 0..40usize {
+            let mut b = DeviceBuffer::<u32>::alloc(&a, s, (8 + (k * 7) % 40) * MIB / 4).unwrap();
+            fill(&g, &st, &mut b, k as u32);
+            live.push(b);
+            if k % 3 == 2 {
+                live.remove(k % live.len()); // freed while the fills may still run
+            }
+        }
+        let stats = a.stats();
+        println!(
+            "before drop: reserved {} MiB, ordered moves {}, spare {} MiB",
+            stats.reserved_bytes.all.current >> 20,
+            stats.num_ordered_unmaps,
+            stats.vmm_spare_bytes >> 20
+        );
+        drop(live);
+    }
+    st.synchronize().unwrap();
+    // the worker has gone and the device has its memory back (other processes aside)
+    assert_eq!(threads_named("gpumem-pages"), workers_before);
+    let free_after = device_free();
+    assert!(
+        free_after + 64 * MIB as u64 >= free_before,
+        "device free {} MiB before, {} MiB after",
+        free_before >> 20,
+        free_after >> 20
+    );
+}

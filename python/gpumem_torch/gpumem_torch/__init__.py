@@ -90,17 +90,35 @@ def _device(device) -> int:
     return device.index if hasattr(device, "index") and device.index is not None else int(device)
 
 
-def install() -> None:
-    """Make gpumem PyTorch's CUDA allocator. Call it before anything uses CUDA."""
+def install(native=None) -> None:
+    """Make gpumem PyTorch's CUDA allocator. Call it before anything uses CUDA.
+
+    `native=True` (or GPUMEM_TORCH_NATIVE=1) installs it as a torch CUDAAllocator built from
+    csrc/allocator.cpp against the installed torch (see gpumem_torch.native): out of memory
+    raises torch.OutOfMemoryError and torch.cuda.memory_* report gpumem's figures. Otherwise
+    it goes through torch's CUDAPluggableAllocator.
+    """
     import torch
 
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "gpumem_torch.install(): PyTorch sees no CUDA GPU here (torch.cuda.is_available() "
+            "is False), so there is no GPU memory for gpumem to manage"
+        )
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "gpumem_torch.install() must run before CUDA is used: PyTorch cannot change its "
             "allocator once it has allocated (call install() first thing in the program)"
         )
+    if native is None:
+        native = os.environ.get("GPUMEM_TORCH_NATIVE", "") not in ("", "0")
     path = library_path()
     _load()
+    if native:
+        from . import native as _native
+
+        _native.install(path)
+        return
     alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpumem_alloc", "gpumem_free")
     torch.cuda.memory.change_current_allocator(alloc)
 
