@@ -93,10 +93,13 @@ def _device(device) -> int:
 def install(native=None) -> None:
     """Make gpumem PyTorch's CUDA allocator. Call it before anything uses CUDA.
 
-    `native=True` (or GPUMEM_TORCH_NATIVE=1) installs it as a torch CUDAAllocator built from
-    csrc/allocator.cpp against the installed torch (see gpumem_torch.native): out of memory
-    raises torch.OutOfMemoryError and torch.cuda.memory_* report gpumem's figures. Otherwise
-    it goes through torch's CUDAPluggableAllocator.
+    By default gpumem becomes a torch CUDAAllocator built from csrc/allocator.cpp against the
+    installed torch (see gpumem_torch.native; compiled once, ~30 s, then cached): out of
+    memory raises torch.OutOfMemoryError and torch.cuda.memory_* report gpumem's figures.
+    Where that extension cannot be built (no C++ compiler or CUDA headers) it falls back, with
+    a warning, to torch's CUDAPluggableAllocator, which lacks those. `native=False` (or
+    GPUMEM_TORCH_NATIVE=0) asks for the pluggable path, `native=True` (or =1) insists on the
+    native one.
     """
     import torch
 
@@ -111,14 +114,27 @@ def install(native=None) -> None:
             "allocator once it has allocated (call install() first thing in the program)"
         )
     if native is None:
-        native = os.environ.get("GPUMEM_TORCH_NATIVE", "") not in ("", "0")
+        env = os.environ.get("GPUMEM_TORCH_NATIVE", "")
+        native = None if env == "" else env != "0"
     path = library_path()
     _load()
-    if native:
+    if native is not False:
         from . import native as _native
 
-        _native.install(path)
-        return
+        try:
+            _native.install(path)
+            return
+        except Exception as e:  # noqa: BLE001 - any build failure falls back
+            if native:
+                raise
+            import warnings
+
+            warnings.warn(
+                f"gpumem_torch: the native allocator could not be built ({type(e).__name__}: "
+                f"{str(e)[:200]}); using torch's CUDAPluggableAllocator, where out of memory "
+                "gives no exception and torch.cuda.memory_* raise",
+                RuntimeWarning,
+            )
     alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpumem_alloc", "gpumem_free")
     torch.cuda.memory.change_current_allocator(alloc)
 

@@ -68,8 +68,8 @@ def test_out_of_memory_is_pytorchs_error_after_a_flush():
         try:
             t = torch.empty(40 << 30, dtype=torch.uint8, device="cuda")
             print("no exception: data_ptr", t.data_ptr())
-        except RuntimeError as e:
-            print("oom raised:", type(e).__name__, str(e)[:200])
+        except torch.OutOfMemoryError as e:
+            print("oom raised:", type(e).__name__, str(e)[:400])
         s = gpumem_torch.memory_stats()
         assert s["num_ooms"] >= 1 and s["num_alloc_retries"] >= 1, s
         del keep
@@ -77,8 +77,18 @@ def test_out_of_memory_is_pytorchs_error_after_a_flush():
         assert float(z.sum()) == float(1 << 20)
         print("ok")
     """)
-    assert rc == 0 and "oom raised" in out and "ok" in out, out + err
-    assert "allocation of" in err and "reserved" in err, err
+    assert rc == 0 and "oom raised: OutOfMemoryError" in out and "ok" in out, out + err
+    assert "tried to allocate" in out and "reserved" in out and "budget" in out, out
+
+
+def test_native_allocator_answers_torch_memory_apis():
+    here = os.path.dirname(os.path.abspath(__file__))
+    e = dict(os.environ, PYTHONPATH=PKG + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, os.path.join(here, "native_check.py")], env=e,
+                       capture_output=True, text=True)
+    print(r.stdout.strip())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FAIL" not in r.stdout and " pass" in r.stdout, r.stdout
 
 
 def test_results_match_native():
@@ -124,7 +134,19 @@ def test_cupy_allocator():
     print(out.strip())
 
 
+def _gpu():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "no CUDA GPU"
+
+
 if __name__ == "__main__":
+    why = _gpu()
+    if why:
+        print(f"skip: every test here needs a GPU ({why})")
+        sys.exit(0)
     failed = 0
     for name, f in list(globals().items()):
         if name.startswith("test_"):
