@@ -275,6 +275,64 @@ pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
     })
 }
 
+/// The segments of `device` for `torch.cuda.memory._snapshot()`, as a flat array of u64:
+/// per segment `address, total_size, stream, is_large, is_expandable, block count`, then per
+/// block `size, requested_size, allocated, active`. An expandable segment is reported as one
+/// segment per mapped run of pages (what it holds in memory), its blocks clipped to the run.
+/// Writes at most `cap` values into `out` and returns how many the whole answer needs (call
+/// again with that much room); 0 where the device cannot be used.
+///
+/// # Safety
+/// `out` must be null or hold `cap` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_segments_flat(device: c_int, out: *mut u64, cap: usize) -> usize {
+    let flat = guard(Vec::new(), || {
+        allocator(device).map_or_else(Vec::new, |a| segments_flat(&a.segments()))
+    });
+    if !out.is_null() {
+        let n = flat.len().min(cap);
+        // SAFETY: `out` holds `cap` values (the caller's contract) and n <= cap.
+        unsafe { std::ptr::copy_nonoverlapping(flat.as_ptr(), out, n) };
+    }
+    flat.len()
+}
+
+/// See [`gpumem_segments_flat`].
+pub fn segments_flat(segments: &[gpumem::pool::SegmentInfo]) -> Vec<u64> {
+    let mut v = Vec::new();
+    for s in segments {
+        let large = u64::from(s.kind == gpumem::pool::PoolKind::Large);
+        let runs: Vec<(u64, u64)> = if s.expandable {
+            s.mapped.clone()
+        } else {
+            vec![(s.addr, s.size)]
+        };
+        for (start, len) in runs {
+            let end = start + len;
+            let blocks: Vec<[u64; 4]> = s
+                .blocks
+                .iter()
+                .filter(|b| b.addr < end && b.addr + b.size > start)
+                .map(|b| {
+                    let size = (b.addr + b.size).min(end) - b.addr.max(start);
+                    [
+                        size,
+                        b.requested.min(size),
+                        u64::from(b.allocated),
+                        u64::from(b.active),
+                    ]
+                })
+                .collect();
+            v.extend([start, len, s.stream.0, large, u64::from(s.expandable)]);
+            v.push(blocks.len() as u64);
+            for b in blocks {
+                v.extend(b);
+            }
+        }
+    }
+    v
+}
+
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)` for PyTorch. The
 /// block goes back to the pool ordered on the stream it was allocated on.
 #[no_mangle]
@@ -546,6 +604,19 @@ mod tests {
         assert_eq!(gpumem_free_ptr(p), -1, "a double free is refused");
         assert_eq!(gpumem_free_ptr(std::ptr::null_mut()), 0);
         assert!(gpumem_largest_free_block(0) >= 5120);
+        let q = gpumem_alloc(3000, 0, s);
+        // SAFETY: a null buffer asks for the size only; then `flat` holds `n` values.
+        let n = unsafe { gpumem_segments_flat(0, std::ptr::null_mut(), 0) };
+        let mut flat = vec![0u64; n];
+        assert_eq!(unsafe { gpumem_segments_flat(0, flat.as_mut_ptr(), n) }, n);
+        // one segment of the small pool holding the 3000-byte block (rounded to 3072)
+        assert!(n >= 6 + 4, "{flat:?}");
+        let blocks = flat[5] as usize;
+        assert_eq!(n, 6 + 4 * blocks, "{flat:?}");
+        assert!(flat[6..]
+            .chunks(4)
+            .any(|b| b[0] == 3072 && b[1] == 3000 && b[2] == 1 && b[3] == 1));
+        gpumem_free(q, 3000, 0, s);
         gpumem_empty_cache();
         assert_eq!(stat("reserved_bytes.all.current"), 0);
     }

@@ -114,7 +114,27 @@ def graph():
 
 
 check("torch.cuda.graph", graph)
-check("_snapshot", lambda: len(torch.cuda.memory._snapshot()["segments"]))
+def snapshot():
+    keep = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    snap = torch.cuda.memory._snapshot()
+    segs = snap["segments"]
+    total = sum(s["total_size"] for s in segs)
+    allocated = sum(b["size"] for s in segs for b in s["blocks"] if b["state"] == "active_allocated")
+    assert segs and total == torch.cuda.memory_reserved(), (total, torch.cuda.memory_reserved())
+    assert allocated == torch.cuda.memory_allocated(), (allocated, torch.cuda.memory_allocated())
+    import os
+    import pickle
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "snap.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    from torch.cuda import _memory_viz
+    with open(path, "rb") as f:
+        text = _memory_viz.segsum(pickle.load(f))
+    del keep
+    return f"{len(segs)} segments, {total >> 20} MiB; memory_viz drew {len(text)} chars"
+
+
+check("_snapshot and _dump_snapshot (memory_viz reads it)", snapshot)
 
 
 def overhead():

@@ -35,6 +35,7 @@ int gpumem_record_stream(void* ptr, int device, void* stream);
 void gpumem_reset_peak(int device);
 int gpumem_stats_values(int device, const char* const* keys, int64_t* out, size_t n);
 uint64_t gpumem_largest_free_block(int device);
+size_t gpumem_segments_flat(int device, uint64_t* out, size_t cap);
 }
 
 namespace {
@@ -175,8 +176,47 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     TORCH_CHECK(false, "gpumem: getBaseAllocation (CUDA IPC of tensors) is not supported yet");
   }
   CCA::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool /*include_traces*/) override {
-    // no segments or traces yet (gpumem's own recorder: gpumem_torch / `gpumem replay`)
-    return {};
+    // the segments of every device in use (an expandable segment as one segment per mapped
+    // run of pages); no traces yet (gpumem records its own: see gpumem_torch)
+    CCA::SnapshotInfo info;
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return info;
+    }
+    for (int dev = 0; dev < count; ++dev) {
+      std::vector<uint64_t> flat(gpumem_segments_flat(dev, nullptr, 0));
+      if (flat.empty()) continue;
+      flat.resize(gpumem_segments_flat(dev, flat.data(), flat.size()));
+      size_t i = 0;
+      while (i + 6 <= flat.size()) {
+        c10::CachingDeviceAllocator::SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(dev);
+        seg.address = flat[i];
+        seg.total_size = flat[i + 1];
+        seg.stream = reinterpret_cast<void*>(flat[i + 2]);
+        seg.is_large = flat[i + 3] != 0;
+        seg.is_expandable = flat[i + 4] != 0;
+        size_t blocks = flat[i + 5];
+        i += 6;
+        for (size_t b = 0; b < blocks && i + 4 <= flat.size(); ++b, i += 4) {
+          c10::CachingDeviceAllocator::BlockInfo block;
+          block.size = flat[i];
+          block.requested_size = flat[i + 1];
+          block.allocated = flat[i + 2] != 0;
+          block.active = flat[i + 3] != 0;
+          if (block.allocated) {
+            seg.allocated_size += block.size;
+            seg.requested_size += block.requested_size;
+          }
+          if (block.active) seg.active_size += block.size;
+          seg.blocks.push_back(block);
+        }
+        info.segments.push_back(std::move(seg));
+      }
+    }
+    info.device_traces.resize(static_cast<size_t>(count));
+    return info;
   }
   // CUDA graphs: no private pools yet; allocations during capture come from the shared pool,
   // as through the pluggable path
