@@ -96,7 +96,14 @@ pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
     let set = state().devices.as_ref()?;
     let ordinal = usize::try_from(device).ok()?;
     match set.device(ordinal) {
-        Ok(d) => Some(d.allocator()),
+        Ok(d) => {
+            let a = d.allocator();
+            // a device first used while torch records history records too
+            if HISTORY.on.load(Ordering::Relaxed) && !a.is_recording() {
+                a.start_recording();
+            }
+            Some(a)
+        }
         Err(e) => {
             log_once("device", || {
                 format!("cannot initialise device {device}: {e}")
@@ -331,6 +338,114 @@ pub fn segments_flat(segments: &[gpumem::pool::SegmentInfo]) -> Vec<u64> {
         }
     }
     v
+}
+
+/// `torch.cuda.memory._record_memory_history`: whether gpumem records, the most events kept per
+/// device, and what each device recorded so far.
+struct History {
+    on: std::sync::atomic::AtomicBool,
+    max_entries: AtomicU64,
+    events: Mutex<Vec<Vec<gpumem::trace::TraceEvent>>>,
+}
+
+static HISTORY: History = History {
+    on: std::sync::atomic::AtomicBool::new(false),
+    max_entries: AtomicU64::new(u64::MAX),
+    events: Mutex::new(Vec::new()),
+};
+
+/// Record allocator events on every device (`on` non-zero), keeping at most `max_entries` per
+/// device (0: no limit), or stop and forget them. Devices first used later record too.
+#[no_mangle]
+pub extern "C" fn gpumem_record_history(on: c_int, max_entries: usize) {
+    guard((), || {
+        let on = on != 0;
+        HISTORY.on.store(on, Ordering::Relaxed);
+        let max = if max_entries == 0 {
+            u64::MAX
+        } else {
+            max_entries as u64
+        };
+        HISTORY.max_entries.store(max, Ordering::Relaxed);
+        if let Ok(mut h) = HISTORY.events.lock() {
+            h.clear();
+        }
+        let Some(set) = state().devices.as_ref() else {
+            return;
+        };
+        for d in set.made() {
+            let a = d.allocator();
+            if on {
+                a.start_recording();
+            } else {
+                a.stop_recording();
+            }
+        }
+    })
+}
+
+/// Whether history is being recorded.
+#[no_mangle]
+pub extern "C" fn gpumem_history_enabled() -> c_int {
+    c_int::from(HISTORY.on.load(Ordering::Relaxed))
+}
+
+/// The recorded history of `device` as a flat array of u64, five per event: action (PyTorch's
+/// `TraceEntry::Action` numbering: alloc 0, free_requested 1, free_completed 2, segment_alloc
+/// 3, segment_free 4, segment_map 5, segment_unmap 6, snapshot 7, oom 8), address, size,
+/// stream, microseconds since recording started. Writes at most `cap` values into `out` and
+/// returns how many the whole answer needs; recording goes on.
+///
+/// # Safety
+/// `out` must be null or hold `cap` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_history_flat(device: c_int, out: *mut u64, cap: usize) -> usize {
+    let flat = guard(Vec::new(), || {
+        let (Some(a), Ok(ordinal)) = (allocator(device), usize::try_from(device)) else {
+            return Vec::new();
+        };
+        let Ok(mut h) = HISTORY.events.lock() else {
+            return Vec::new();
+        };
+        if h.len() <= ordinal {
+            h.resize_with(ordinal + 1, Vec::new);
+        }
+        let kept = &mut h[ordinal];
+        kept.extend(a.take_recorded());
+        let max = HISTORY.max_entries.load(Ordering::Relaxed) as usize;
+        if kept.len() > max {
+            kept.drain(..kept.len() - max);
+        }
+        history_flat(kept)
+    });
+    if !out.is_null() {
+        let n = flat.len().min(cap);
+        // SAFETY: `out` holds `cap` values (the caller's contract) and n <= cap.
+        unsafe { std::ptr::copy_nonoverlapping(flat.as_ptr(), out, n) };
+    }
+    flat.len()
+}
+
+/// See [`gpumem_history_flat`].
+pub fn history_flat(events: &[gpumem::trace::TraceEvent]) -> Vec<u64> {
+    use gpumem::trace::Action;
+    events
+        .iter()
+        .flat_map(|e| {
+            let action = match e.action {
+                Action::Alloc => 0,
+                Action::FreeRequested => 1,
+                Action::FreeCompleted => 2,
+                Action::SegmentAlloc => 3,
+                Action::SegmentFree => 4,
+                Action::SegmentMap => 5,
+                Action::SegmentUnmap => 6,
+                Action::Snapshot => 7,
+                Action::Oom => 8,
+            };
+            [action, e.addr, e.size, e.stream, e.time_us]
+        })
+        .collect()
 }
 
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)` for PyTorch. The
@@ -617,6 +732,29 @@ mod tests {
             .chunks(4)
             .any(|b| b[0] == 3072 && b[1] == 3000 && b[2] == 1 && b[3] == 1));
         gpumem_free(q, 3000, 0, s);
+        // history, as torch.cuda.memory._record_memory_history and _snapshot read it
+        gpumem_record_history(1, 0);
+        assert_eq!(gpumem_history_enabled(), 1);
+        let q = gpumem_alloc(700, 0, s);
+        gpumem_free(q, 700, 0, s);
+        // SAFETY: as for the segments above.
+        let n = unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) };
+        let mut flat = vec![0u64; n];
+        assert_eq!(unsafe { gpumem_history_flat(0, flat.as_mut_ptr(), n) }, n);
+        let actions: Vec<u64> = flat.chunks(5).map(|e| e[0]).collect();
+        assert_eq!(actions, [0, 1, 2], "{flat:?}");
+        assert_eq!((flat[1], flat[2]), (q as u64, 700));
+        // kept: a second read gives the same events
+        assert_eq!(
+            unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) },
+            n
+        );
+        gpumem_record_history(0, 0);
+        assert_eq!(gpumem_history_enabled(), 0);
+        assert_eq!(
+            unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) },
+            0
+        );
         gpumem_empty_cache();
         assert_eq!(stat("reserved_bytes.all.current"), 0);
     }

@@ -317,9 +317,28 @@ impl CachingAllocator {
 
     /// Stop recording and return the events of all shards in time order.
     pub fn stop_recording(&self) -> Vec<crate::pool::record::TraceEvent> {
+        self.collect_recorded(true)
+    }
+
+    /// The events recorded since the last call (or the start), in time order; recording goes
+    /// on (for a history kept elsewhere, as `torch.cuda.memory._snapshot` reads it).
+    pub fn take_recorded(&self) -> Vec<crate::pool::record::TraceEvent> {
+        self.collect_recorded(false)
+    }
+
+    /// Whether events are being recorded.
+    pub fn is_recording(&self) -> bool {
+        self.shard(0).is_recording()
+    }
+
+    fn collect_recorded(&self, stop: bool) -> Vec<crate::pool::record::TraceEvent> {
         let mut all: Vec<(u64, usize, crate::pool::record::TraceEvent)> = Vec::new();
         for j in 0..self.inner.shards.len() {
-            let events = self.shard(j).stop_recording();
+            let events = if stop {
+                self.shard(j).stop_recording()
+            } else {
+                self.shard(j).take_recorded()
+            };
             all.extend(
                 events
                     .into_iter()

@@ -137,6 +137,35 @@ def snapshot():
 check("_snapshot and _dump_snapshot (memory_viz reads it)", snapshot)
 
 
+def history():
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    a = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    b = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+    del a, b
+    snap = torch.cuda.memory._snapshot()
+    trace = snap["device_traces"][0]
+    actions = [e["action"] for e in trace]
+    sizes = [e["size"] for e in trace if e["action"] == "alloc"]
+    assert actions.count("alloc") >= 2 and actions.count("free_completed") >= 2, actions
+    assert (3 << 20) in sizes and (5 << 20) in sizes, sizes
+    import os
+    import subprocess
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "history.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    cli = os.path.join(os.path.dirname(os.environ.get("GPUMEM_TORCH_LIB", "")), "gpumem")
+    replay = ""
+    if os.path.exists(cli):
+        r = subprocess.run([cli, "replay", path], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        replay = r.stdout.strip().splitlines()[-1]
+    return f"{len(trace)} events ({actions.count('alloc')} allocs); gpumem replay: {replay[:160]}"
+
+
+check("_record_memory_history, then _snapshot traces and gpumem replay of the dump", history)
+
+
 def overhead():
     n = 20000
     for _ in range(100):

@@ -119,6 +119,19 @@ impl CachingPool {
         self.recorder.take().map(|r| r.events).unwrap_or_default()
     }
 
+    /// The events recorded since the last call (or the start), recording going on.
+    pub fn take_recorded(&mut self) -> Vec<(u64, TraceEvent)> {
+        self.recorder
+            .as_mut()
+            .map(|r| std::mem::take(&mut r.events))
+            .unwrap_or_default()
+    }
+
+    /// Whether this pool is recording.
+    pub fn is_recording(&self) -> bool {
+        self.recorder.is_some()
+    }
+
     #[inline]
     pub(super) fn record(&mut self, action: Action, addr: u64, size: u64, stream: Stream) {
         if let Some(r) = self.recorder.as_mut() {

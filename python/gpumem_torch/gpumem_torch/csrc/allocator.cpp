@@ -36,6 +36,9 @@ void gpumem_reset_peak(int device);
 int gpumem_stats_values(int device, const char* const* keys, int64_t* out, size_t n);
 uint64_t gpumem_largest_free_block(int device);
 size_t gpumem_segments_flat(int device, uint64_t* out, size_t cap);
+void gpumem_record_history(int on, size_t max_entries);
+int gpumem_history_enabled();
+size_t gpumem_history_flat(int device, uint64_t* out, size_t cap);
 }
 
 namespace {
@@ -216,6 +219,21 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
       }
     }
     info.device_traces.resize(static_cast<size_t>(count));
+    if (gpumem_history_enabled()) {
+      using Entry = c10::CachingDeviceAllocator::TraceEntry;
+      for (int dev = 0; dev < count; ++dev) {
+        std::vector<uint64_t> flat(gpumem_history_flat(dev, nullptr, 0));
+        if (flat.empty()) continue;
+        flat.resize(gpumem_history_flat(dev, flat.data(), flat.size()));
+        for (size_t i = 0; i + 5 <= flat.size(); i += 5) {
+          info.device_traces[dev].emplace_back(
+              static_cast<Entry::Action>(flat[i]), static_cast<c10::DeviceIndex>(dev),
+              static_cast<size_t>(flat[i + 1]), static_cast<size_t>(flat[i + 2]),
+              reinterpret_cast<void*>(flat[i + 3]), c10::MempoolId_t{0, 0},
+              static_cast<c10::approx_time_t>(flat[i + 4]));
+        }
+      }
+    }
     return info;
   }
   // CUDA graphs: no private pools yet; allocations during capture come from the shared pool,
@@ -233,15 +251,14 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
                 "gpumem: opening CUDA tensors of another process is not supported yet");
   }
   bool isHistoryEnabled() override {
-    return false;
+    return gpumem_history_enabled() != 0;
   }
+  // allocation history without stack contexts (gpumem records no Python or C++ stacks)
   void recordHistory(bool enabled, CCA::CreateContextFn /*context_recorder*/,
-                     size_t /*alloc_trace_max_entries*/, CCA::RecordContext /*when*/,
+                     size_t alloc_trace_max_entries, CCA::RecordContext /*when*/,
                      bool /*clearHistory*/,
                      const std::vector<std::string>& /*skip_actions*/) override {
-    TORCH_CHECK(!enabled,
-                "gpumem: torch.cuda.memory._record_memory_history is not supported yet "
-                "(gpumem records its own traces: see gpumem_torch)");
+    gpumem_record_history(enabled ? 1 : 0, alloc_trace_max_entries);
   }
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> l(mu_);
