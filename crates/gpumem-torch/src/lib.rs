@@ -529,6 +529,16 @@ pub extern "C" fn gpumem_reset_peak(device: c_int) {
     })
 }
 
+/// `torch.cuda.reset_accumulated_memory_stats(device)`.
+#[no_mangle]
+pub extern "C" fn gpumem_reset_accumulated(device: c_int) {
+    guard((), || {
+        if let Some(a) = allocator(device) {
+            a.reset_accumulated();
+        }
+    })
+}
+
 /// The statistics of `device` as a JSON object with `torch.cuda.memory_stats()` key names
 /// (`"allocated_bytes.all.current"`, ...) plus gpumem's own and the refused-call counters.
 /// Free the string with [`gpumem_free_string`].
@@ -677,6 +687,8 @@ mod tests {
         gpumem_free(ok, 4096, 0, s);
         gpumem_reset_peak(0);
         assert_eq!(stat("allocated_bytes.all.peak"), 0);
+        gpumem_reset_accumulated(0);
+        assert_eq!(stat("allocation.all.allocated"), 0);
         // the native torch allocator's calls: an explained out-of-memory, frees by pointer
         // alone, statistics by name, the largest free block
         let mut err = [0 as c_char; 256];

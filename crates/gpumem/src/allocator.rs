@@ -39,6 +39,8 @@ struct Inner {
     shards: Box<[Padded<Mutex<CachingPool>>]>,
     shared: Arc<SharedCounters>,
     config: Config,
+    /// the accumulated counts at the last [`CachingAllocator::reset_accumulated`]
+    accumulated_base: Mutex<Option<Stats>>,
 }
 
 /// A block handed out by [`CachingAllocator::allocate`]. Give it back with
@@ -111,6 +113,7 @@ impl CachingAllocator {
                 shared,
                 config,
                 limit,
+                accumulated_base: Mutex::new(None),
             }),
         })
     }
@@ -280,7 +283,19 @@ impl CachingAllocator {
             total.vmm_waits = c.waits;
             total.vmm_aliased = c.aliased;
         }
+        if let Some(base) = self.inner.accumulated_base.lock().as_ref() {
+            total.subtract_accumulated(base);
+        }
         total
+    }
+
+    /// Start the accumulated counts over (`torch.cuda.reset_accumulated_memory_stats`): every
+    /// `allocated` and `freed` total, and the counts of retries, out-of-memory errors, syncs
+    /// and device calls, read 0 from now on; currents and peaks are kept.
+    pub fn reset_accumulated(&self) {
+        *self.inner.accumulated_base.lock() = None;
+        let now = self.stats();
+        *self.inner.accumulated_base.lock() = Some(now);
     }
 
     /// Set every peak to its current value.

@@ -138,10 +138,23 @@ fn stats_serialise_and_summary_prints() {
     ] {
         assert!(text.contains(row), "summary lacks {row}:\n{text}");
     }
+    // torch.cuda.reset_accumulated_memory_stats: totals start over, currents stay
+    a.reset_accumulated();
+    let r = a.stats();
+    assert_eq!(r.allocated_bytes.all.current, 3 * MIB);
+    assert_eq!(
+        (r.allocated_bytes.all.allocated, r.allocated_bytes.all.freed),
+        (0, 0)
+    );
+    assert_eq!((r.allocation.all.allocated, r.num_device_alloc), (0, 0));
+    let y = a.allocate(S, 1000, 256).unwrap();
+    a.deallocate(y).unwrap();
+    let r = a.stats();
+    assert_eq!((r.allocation.all.allocated, r.allocation.all.freed), (1, 1));
     a.deallocate(x).unwrap();
     a.reset_peak();
     assert_eq!(a.stats().allocated_bytes.all.peak, 0);
-    assert_eq!(a.empty_cache(), 20 * MIB);
+    assert_eq!(a.empty_cache(), 20 * MIB + 2 * MIB); // and y's small-pool segment
     assert_eq!(a.stats().reserved_bytes.all.current, 0);
 }
 

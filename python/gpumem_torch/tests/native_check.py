@@ -43,6 +43,19 @@ def reset_peak():
 
 
 check("reset_peak_memory_stats", reset_peak)
+
+
+def reset_accumulated():
+    y = torch.empty(1 << 20, device="cuda")
+    del y
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.reset_accumulated_memory_stats()
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert before > 0 and after == 0, (before, after)
+    return (before, after)
+
+
+check("reset_accumulated_memory_stats", reset_accumulated)
 seen = []
 
 

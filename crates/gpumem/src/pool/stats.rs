@@ -135,6 +135,42 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// Subtract the accumulated counts of `base` (an earlier snapshot of the same counters):
+    /// the `allocated` / `freed` totals of every array and the retry, out-of-memory, sync and
+    /// device-call counts.
+    pub fn subtract_accumulated(&mut self, base: &Stats) {
+        let pairs = [
+            (&mut self.allocation, &base.allocation),
+            (&mut self.segment, &base.segment),
+            (&mut self.active, &base.active),
+            (&mut self.inactive_split, &base.inactive_split),
+            (&mut self.allocated_bytes, &base.allocated_bytes),
+            (&mut self.reserved_bytes, &base.reserved_bytes),
+            (&mut self.active_bytes, &base.active_bytes),
+            (&mut self.inactive_split_bytes, &base.inactive_split_bytes),
+            (&mut self.requested_bytes, &base.requested_bytes),
+        ];
+        for (a, b) in pairs {
+            for (x, y) in [
+                (&mut a.all, &b.all),
+                (&mut a.small_pool, &b.small_pool),
+                (&mut a.large_pool, &b.large_pool),
+            ] {
+                x.allocated = x.allocated.saturating_sub(y.allocated);
+                x.freed = x.freed.saturating_sub(y.freed);
+            }
+        }
+        for (x, y) in [
+            (&mut self.num_alloc_retries, base.num_alloc_retries),
+            (&mut self.num_ooms, base.num_ooms),
+            (&mut self.num_sync_all_streams, base.num_sync_all_streams),
+            (&mut self.num_device_alloc, base.num_device_alloc),
+            (&mut self.num_device_free, base.num_device_free),
+        ] {
+            *x = x.saturating_sub(y);
+        }
+    }
+
     /// Set every peak to its current value.
     pub fn reset_peak(&mut self) {
         for a in [

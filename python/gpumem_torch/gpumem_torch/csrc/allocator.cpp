@@ -33,6 +33,7 @@ uint64_t gpumem_empty_cache();
 int gpumem_set_memory_fraction(double fraction, int device);
 int gpumem_record_stream(void* ptr, int device, void* stream);
 void gpumem_reset_peak(int device);
+void gpumem_reset_accumulated(int device);
 int gpumem_stats_values(int device, const char* const* keys, int64_t* out, size_t n);
 uint64_t gpumem_largest_free_block(int device);
 size_t gpumem_segments_flat(int device, uint64_t* out, size_t cap);
@@ -127,10 +128,8 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     s.num_device_free = v[i++];
     return s;
   }
-  void resetAccumulatedStats(c10::DeviceIndex /*device*/) override {
-    TORCH_CHECK(false,
-                "gpumem does not reset accumulated statistics yet; "
-                "torch.cuda.reset_peak_memory_stats() resets the peaks");
+  void resetAccumulatedStats(c10::DeviceIndex dev) override {
+    gpumem_reset_accumulated(dev);
   }
   void resetPeakStats(c10::DeviceIndex dev) override {
     gpumem_reset_peak(dev);
