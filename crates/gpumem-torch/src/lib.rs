@@ -90,6 +90,14 @@ fn config() -> gpumem::Result<Config> {
     Ok(c)
 }
 
+/// The allocator of `device` if it is in use already (reading figures never makes a device:
+/// on a machine of several GPUs that would create a context on each).
+fn made_allocator(device: c_int) -> Option<&'static CachingAllocator> {
+    let set = state().devices.as_ref()?;
+    let d = set.made_device(usize::try_from(device).ok()?)?;
+    Some(d.allocator())
+}
+
 /// The allocator of `device`, created on first use; `None` if it cannot be (the reason is
 /// logged once).
 pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
@@ -294,7 +302,7 @@ pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_segments_flat(device: c_int, out: *mut u64, cap: usize) -> usize {
     let flat = guard(Vec::new(), || {
-        allocator(device).map_or_else(Vec::new, |a| segments_flat(&a.segments()))
+        made_allocator(device).map_or_else(Vec::new, |a| segments_flat(&a.segments()))
     });
     if !out.is_null() {
         let n = flat.len().min(cap);
@@ -401,7 +409,7 @@ pub extern "C" fn gpumem_history_enabled() -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_history_flat(device: c_int, out: *mut u64, cap: usize) -> usize {
     let flat = guard(Vec::new(), || {
-        let (Some(a), Ok(ordinal)) = (allocator(device), usize::try_from(device)) else {
+        let (Some(a), Ok(ordinal)) = (made_allocator(device), usize::try_from(device)) else {
             return Vec::new();
         };
         let Ok(mut h) = HISTORY.events.lock() else {

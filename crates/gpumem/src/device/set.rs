@@ -71,6 +71,11 @@ impl DeviceSet {
         self.slots.iter().filter_map(OnceLock::get)
     }
 
+    /// Device `ordinal` if it has been made (never makes it).
+    pub fn made_device(&self, ordinal: usize) -> Option<&Device> {
+        self.slots.get(ordinal).and_then(OnceLock::get)
+    }
+
     /// Number of devices.
     pub fn count(&self) -> usize {
         self.slots.len()
