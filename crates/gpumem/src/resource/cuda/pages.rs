@@ -277,7 +277,9 @@ impl Pages {
             };
             let p = addr + mapped as u64 * page;
             // SAFETY: `p` is an unmapped page of reserved address space (checked above and
-            // settled) and `h` an unmapped handle of one page.
+            // settled) and `h` a handle of one page mapped at no live address (one from
+            // `unmap_after` may still be mapped at its old address, which only older work of
+            // the same stream uses: a handle may be mapped at several addresses).
             let r = unsafe { sys::cuMemMap(p, page as usize, 0, h, 0) };
             self.counters.maps.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = r.result() {
