@@ -40,6 +40,8 @@ def library_path() -> str:
         return env
     here = pathlib.Path(__file__).resolve().parent
     candidates = [here / n for n in _NAMES]
+    # as pip installs it (setuptools-rust names the library with the platform's suffix)
+    candidates += sorted(here.glob("libgpumem_torch*.so"))
     for up in (here.parent.parent.parent, pathlib.Path.cwd()):
         candidates += [up / "target" / "release" / n for n in _NAMES]
     for c in candidates:
