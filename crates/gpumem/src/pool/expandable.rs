@@ -551,6 +551,23 @@ impl CachingPool {
     }
 }
 
+/// The tick of page `p` in a per-page tick list (0 past its end: never).
+fn tick_at(ticks: &[u64], p: u64) -> u64 {
+    ticks.get(p as usize).copied().unwrap_or(0)
+}
+
+/// Set the ticks of pages `[from, to)` (below `high`, the list growing to `high` as needed).
+fn mark_ticks(ticks: &mut Vec<u64>, high: u64, from: u64, to: u64, tick: u64) {
+    let to = to.min(high);
+    if from >= to {
+        return;
+    }
+    if ticks.len() < to as usize {
+        ticks.resize(high as usize, 0);
+    }
+    ticks[from as usize..to as usize].fill(tick);
+}
+
 /// The mapped pages of an expandable segment: one bit per page.
 #[derive(Debug)]
 pub(super) struct Pages {
@@ -577,19 +594,12 @@ impl Pages {
     }
 
     pub(super) fn moved_at(&self, p: u64) -> u64 {
-        self.moved.get(p as usize).copied().unwrap_or(0)
+        tick_at(&self.moved, p)
     }
 
     /// Mark pages `[from, to)` as moved away in stream order, settled after `tick`.
     pub(super) fn mark_moved(&mut self, from: u64, to: u64, tick: u64) {
-        let to = to.min(self.high);
-        if from >= to {
-            return;
-        }
-        if self.moved.len() < to as usize {
-            self.moved.resize(self.high as usize, 0);
-        }
-        self.moved[from as usize..to as usize].fill(tick);
+        mark_ticks(&mut self.moved, self.high, from, to, tick);
     }
 
     pub(super) fn set(&mut self, first: u64, n: u64, on: bool) {
@@ -615,19 +625,12 @@ impl Pages {
     }
 
     pub(super) fn freed_at(&self, p: u64) -> u64 {
-        self.freed.get(p as usize).copied().unwrap_or(0)
+        tick_at(&self.freed, p)
     }
 
     /// Mark pages `[from, to)` as freed at `tick`.
     pub(super) fn mark_freed(&mut self, from: u64, to: u64, tick: u64) {
-        let to = to.min(self.high);
-        if from >= to {
-            return;
-        }
-        if self.freed.len() < to as usize {
-            self.freed.resize(self.high as usize, 0);
-        }
-        self.freed[from as usize..to as usize].fill(tick);
+        mark_ticks(&mut self.freed, self.high, from, to, tick);
     }
 
     /// Runs `(first, count)` of pages in `[from, to)` that are mapped (`want`) or not.
