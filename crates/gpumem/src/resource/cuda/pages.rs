@@ -338,16 +338,36 @@ impl Pages {
     pub(super) fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         let mut st = self.state.lock();
         let runs = self.take_runs(&mut st, addr, bytes, None, None);
+        self.enqueue(st, runs);
+        Ok(())
+    }
+
+    /// Hand `runs` to the worker, or unmap them here where there is none.
+    fn enqueue(&self, mut st: parking_lot::MutexGuard<'_, State>, runs: Vec<Run>) {
         if st.no_worker {
             drop(st);
             for run in runs {
                 self.finish(run, false);
             }
-            return Ok(());
+            return;
         }
         st.queued.extend(runs);
         self.wake.notify_one();
-        Ok(())
+    }
+
+    /// An event recorded now on `stream` (an idle one of ours, or a new one).
+    fn record_event(&self, st: &mut State, stream: u64) -> Result<usize> {
+        let ev = match st.events.pop() {
+            Some(ev) => ev as sys::CUevent,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda_err("cuEventCreate", e))?,
+        };
+        // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
+        if let Err(e) = unsafe { result::event::record(ev, raw(Stream(stream))) } {
+            st.events.push(ev as usize);
+            return Err(cuda_err("cuEventRecord", e));
+        }
+        Ok(ev as usize)
     }
 
     /// Move the mapped pages of `[addr, addr + bytes)` to `stream`: their handles are free at
@@ -362,23 +382,12 @@ impl Pages {
         stream: Stream,
         busy: bool,
     ) -> Result<()> {
+        let mut st = self.state.lock();
         let ev = if busy {
-            let pooled = self.state.lock().events.pop();
-            let ev = match pooled {
-                Some(ev) => ev as sys::CUevent,
-                None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                    .map_err(|e| cuda_err("cuEventCreate", e))?,
-            };
-            // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
-            if let Err(e) = unsafe { result::event::record(ev, raw(stream)) } {
-                self.state.lock().events.push(ev as usize);
-                return Err(cuda_err("cuEventRecord", e));
-            }
-            Some(ev as usize)
+            Some(self.record_event(&mut st, stream.0)?)
         } else {
             None
         };
-        let mut st = self.state.lock();
         let runs = self.take_runs(&mut st, addr, bytes, ev, Some(stream.0));
         if runs.is_empty() {
             st.events.extend(ev);
@@ -393,15 +402,7 @@ impl Pages {
                 .or_default()
                 .extend_from_slice(&run.handles);
         }
-        if st.no_worker {
-            drop(st);
-            for run in runs {
-                self.finish(run, false);
-            }
-            return Ok(());
-        }
-        st.queued.extend(runs);
-        self.wake.notify_one();
+        self.enqueue(st, runs);
         Ok(())
     }
 
@@ -435,32 +436,21 @@ impl Pages {
             p += page;
         }
         runs.extend(run);
-        // the runs after the first wait for the same event: give each its own record
-        // (rare: the pool unmaps one run per call)
-        if let (Some(_), Some(stream)) = (event, alias) {
+        // the runs after the first wait for the same work: give each an event of its own
+        // (rare: the pool unmaps one run per call); where none can be recorded, wait here for
+        // the first event, after which that run is idle
+        if let (Some(first), Some(stream)) = (event, alias) {
             for r in runs.iter_mut().skip(1) {
-                r.event = self.extra_event(st, stream);
+                r.event = match self.record_event(st, stream) {
+                    Ok(ev) => Some(ev),
+                    Err(_) => {
+                        self.wait_event(first, false);
+                        None
+                    }
+                };
             }
         }
         runs
-    }
-
-    /// Another event recorded where `ev` was (on `stream`, just now); `None` if none can be
-    /// made (then that run is unmapped as soon as `ev`'s run is, which is as safe: the worker
-    /// handles runs in order and the first waits).
-    fn extra_event(&self, st: &mut State, stream: u64) -> Option<usize> {
-        let ev = match st.events.pop() {
-            Some(ev) => ev as sys::CUevent,
-            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ok()?,
-        };
-        // SAFETY: `ev` is ours and idle; the stream is live (the caller's, a moment ago).
-        match unsafe { result::event::record(ev, raw(Stream(stream))) } {
-            Ok(()) => Some(ev as usize),
-            Err(_) => {
-                st.events.push(ev as usize);
-                None
-            }
-        }
     }
 
     /// Unmap a run taken off the queue (waiting for its event first, if it has one) and put
