@@ -106,9 +106,16 @@ pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
     match set.device(ordinal) {
         Ok(d) => {
             let a = d.allocator();
-            // a device first used while torch records history records too
-            if HISTORY.on.load(Ordering::Relaxed) && !a.is_recording() {
-                a.start_recording();
+            // a device first used while torch records history records too (checked by a bit
+            // per device, not by locking a shard on every call)
+            if HISTORY.on.load(Ordering::Relaxed) {
+                let bit = 1u64.checked_shl(ordinal as u32).unwrap_or(0);
+                if HISTORY.started.load(Ordering::Relaxed) & bit == 0 || bit == 0 {
+                    if !a.is_recording() {
+                        a.start_recording();
+                    }
+                    HISTORY.started.fetch_or(bit, Ordering::Relaxed);
+                }
             }
             Some(a)
         }
@@ -352,12 +359,15 @@ pub fn segments_flat(segments: &[gpumem::pool::SegmentInfo]) -> Vec<u64> {
 /// device, and what each device recorded so far.
 struct History {
     on: std::sync::atomic::AtomicBool,
+    /// devices (bit = ordinal, below 64) recording since history was turned on
+    started: AtomicU64,
     max_entries: AtomicU64,
     events: Mutex<Vec<Vec<gpumem::trace::TraceEvent>>>,
 }
 
 static HISTORY: History = History {
     on: std::sync::atomic::AtomicBool::new(false),
+    started: AtomicU64::new(0),
     max_entries: AtomicU64::new(u64::MAX),
     events: Mutex::new(Vec::new()),
 };
@@ -368,6 +378,7 @@ static HISTORY: History = History {
 pub extern "C" fn gpumem_record_history(on: c_int, max_entries: usize) {
     guard((), || {
         let on = on != 0;
+        HISTORY.started.store(0, Ordering::Relaxed);
         HISTORY.on.store(on, Ordering::Relaxed);
         let max = if max_entries == 0 {
             u64::MAX
