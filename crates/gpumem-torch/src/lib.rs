@@ -18,6 +18,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+mod ipc;
+mod pools;
+pub use ipc::*;
+pub use pools::*;
+
 /// Counters of calls gpumem refused.
 #[derive(Debug, Default)]
 pub struct Refused {
@@ -214,6 +219,20 @@ pub unsafe extern "C" fn gpumem_alloc_checked(
         a.allocate_ptr(Stream(stream as u64), size as usize, 512)
             .map_err(|e| (e.is_out_of_memory(), e.to_string()))
     });
+    // SAFETY: the caller's contract.
+    unsafe { checked_result(result, err, errlen, oom) }
+}
+
+/// The pointer of `result`, or null with the reason written to `err` and `*oom` set.
+///
+/// # Safety
+/// As [`gpumem_alloc_checked`]'s `err`, `errlen` and `oom`.
+unsafe fn checked_result(
+    result: Result<u64, (bool, String)>,
+    err: *mut c_char,
+    errlen: usize,
+    oom: *mut c_int,
+) -> *mut c_void {
     match result {
         Ok(p) => p as *mut c_void,
         Err((is_oom, msg)) => {
@@ -246,6 +265,7 @@ pub extern "C" fn gpumem_free_ptr(ptr: *mut c_void) -> c_int {
         let Some(set) = state().devices.as_ref() else {
             return -1;
         };
+        ipc::forget_export(ptr as u64);
         for d in set.made() {
             if d.deallocate_ptr(ptr as u64).is_ok() {
                 return 0;
@@ -641,6 +661,10 @@ pub unsafe extern "C" fn gpumem_free_string(s: *mut c_char) {
     }
 }
 
+/// The C ABI's state is global: its tests take turns.
+#[cfg(test)]
+pub(crate) static TEST_LOCK: Mutex<()> = Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -663,6 +687,7 @@ mod tests {
     // one test: the library's state is process-wide
     #[test]
     fn the_c_abi_allocates_frees_reports_and_never_crashes_on_bad_calls() {
+        let _turn = super::TEST_LOCK.lock();
         let s = std::ptr::null_mut();
         let p = gpumem_alloc(1000, 0, s);
         assert!(!p.is_null());

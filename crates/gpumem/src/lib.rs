@@ -47,7 +47,7 @@ pub use device::transfer;
 #[cfg(feature = "cuda")]
 pub use resource::cuda::cupti as profile;
 
-pub use allocator::{Allocation, CachingAllocator};
+pub use allocator::{Allocation, CachingAllocator, PoolId};
 pub use buffer::pinned::{PinnedBuffer, PinnedHost, PinnedRegistration};
 pub use buffer::unified::{ManagedOptions, Placement, UnifiedBuffer, UnifiedMemory};
 #[cfg(feature = "cuda")]

@@ -1,25 +1,37 @@
 """GPU check of the native torch allocator (gpumem_torch.install(native=True)): every torch API
 the pluggable path fails on, one after the other, with what happened printed. Run on a GPU
 machine: python native_check.py (GPUMEM_TORCH_LIB pointing at libgpumem_torch.so)."""
+import os
 import sys
 import time
 
 import gpumem_torch
 
 t = time.time()
-gpumem_torch.install(native=True)
-print(f"built and installed in {time.time() - t:.1f} s")
+if os.environ.get("NATIVE_CHECK_BASELINE"):
+    print("baseline: PyTorch's own allocator (gpumem not installed)")
+else:
+    gpumem_torch.install(native=True)
+    print(f"built and installed in {time.time() - t:.1f} s")
 import torch  # noqa: E402
 
 results = []
 
 
+ONLY = os.environ.get("NATIVE_CHECK_ONLY")
+
+
 def check(name, fn):
+    if ONLY and ONLY not in name:
+        return
     print(f"... {name}", flush=True)
     try:
         out = fn()
         results.append((name, "PASS", out))
     except Exception as e:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
         results.append((name, "FAIL", f"{type(e).__name__}: {str(e)[:300]}"))
     print(f"{results[-1][1]} {name}: {results[-1][2]}", flush=True)
 
@@ -177,6 +189,142 @@ def history():
 
 
 check("_record_memory_history, then _snapshot traces and gpumem replay of the dump", history)
+
+
+def graph_private_pool():
+    # memory a capture frees stays the graph's: tensors allocated after capture never get it,
+    # so replays (which write it again) cannot corrupt them
+    x = torch.ones(1 << 20, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            (x * 3 + 1).sum()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tmp = x * 3
+        tmp_ptr = tmp.data_ptr()
+        out = tmp + 1
+        del tmp
+    pool = g.pool()
+    others = [torch.empty(1 << 20, device="cuda") for _ in range(16)]
+    assert all(o.data_ptr() != tmp_ptr for o in others), "capture memory handed out"
+    for o in others:
+        o.fill_(7)
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(bool((o == 7).all()) for o in others), "a replay wrote over live tensors"
+    assert bool((out == 4).all())
+    live = torch._C._cuda_checkPoolLiveAllocations(0, pool, {out.untyped_storage().data_ptr()})
+    assert live, "checkPoolLiveAllocations"
+    reserved = torch.cuda.memory_reserved()
+    del g, out
+    torch.cuda.empty_cache()
+    return f"pool {pool}; reserved {reserved >> 20} -> {torch.cuda.memory_reserved() >> 20} MiB"
+
+
+check("graph private pool: capture memory is not reused while the graph lives", graph_private_pool)
+
+
+def graphed_callables():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    ).cuda()
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    ).cuda()
+    ref.load_state_dict(model.state_dict())
+    inp = torch.randn(64, 256, device="cuda")
+    graphed = torch.cuda.make_graphed_callables(model, (inp,))
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        graphed(inp).square().sum().backward()
+    ref.zero_grad(set_to_none=True)
+    ref(inp).square().sum().backward()
+    torch.cuda.synchronize()
+    err = (model[0].weight.grad - ref[0].weight.grad).abs().max().item()
+    assert err < 1e-3, err
+    return f"max grad difference {err:.2e}"
+
+
+check("torch.cuda.make_graphed_callables (forward + backward)", graphed_callables)
+
+
+def compile_reduce_overhead():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)
+    ).cuda()
+    opt = torch.compile(model, mode="reduce-overhead")
+    outs = []
+    # two shapes: two graphs in the tree (the second recorded from a checkpoint of the pool)
+    with torch.no_grad():
+        for shape in [(32, 128), (32, 128), (32, 128), (48, 128), (48, 128), (48, 128), (32, 128)]:
+            torch.compiler.cudagraph_mark_step_begin()
+            x = torch.randn(*shape, device="cuda")
+            y = opt(x).clone()
+            outs.append((y - model(x)).abs().max().item())
+    # training: forward and backward graphs
+    train = torch.compile(torch.nn.Linear(128, 64).cuda(), mode="reduce-overhead")
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        train.zero_grad(set_to_none=True)  # grads live in the graphs' pool
+        x = torch.randn(32, 128, device="cuda", requires_grad=True)
+        train(x).sum().backward()
+        grad = train.weight.grad.clone()
+    assert bool(torch.isfinite(grad).all())
+    torch.cuda.synchronize()
+    assert max(outs) < 1e-2, outs
+    return f"max difference {max(outs):.2e} over {len(outs)} calls; training steps ran"
+
+
+check("torch.compile(mode='reduce-overhead')", compile_reduce_overhead)
+
+
+def mem_pool():
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    pa = a.data_ptr()
+    count = pool.use_count()
+    del a
+    b = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    assert b.data_ptr() != pa, "the shared pool took the MemPool's memory"
+    with torch.cuda.use_mem_pool(pool):
+        c = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    assert c.data_ptr() == pa, "the MemPool did not reuse its own memory"
+    segs = pool.snapshot()
+    assert segs and all(s["total_size"] > 0 for s in segs), segs
+    assert torch.cuda.memory_allocated() >= 8 << 20
+    del c, b
+    del pool
+    return f"use_count {count}, {len(segs)} segment(s) in the pool's snapshot"
+
+
+check("torch.cuda.MemPool / use_mem_pool", mem_pool)
+
+
+def checkpoint():
+    dev = torch.cuda.current_device()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        value = torch.full((4 << 20,), 5, dtype=torch.uint8, device="cuda")
+    vp = value.data_ptr()
+    state = torch._C._cuda_getCheckpointState(dev, pool.id)
+    for size in (12 << 20, 8 << 20):
+        with torch.cuda.use_mem_pool(pool):
+            stale = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch._C._cuda_setCheckpointPoolState(dev, state, [stale.untyped_storage()._cdata], [])
+        assert value.data_ptr() == vp and bool((value == 5).all())
+        assert torch._C._cuda_checkPoolLiveAllocations(dev, pool.id, {vp})
+        del stale
+    del value, pool
+    return "restored twice; the checkpoint's tensor kept its address and data"
+
+
+check("allocator checkpoints (getCheckpointState / setCheckpointPoolState)", checkpoint)
 
 
 def overhead():

@@ -39,6 +39,9 @@ impl CachingPool {
     /// streams), so that once the event completes, the pages freed so far are known idle with
     /// no waiting.
     pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
+        if self.capturing(stream) {
+            return; // an event recorded now would be part of the graph
+        }
         let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
             Some(i) => i,
             None => {
@@ -88,6 +91,44 @@ impl CachingPool {
             }
         }
         Ok(())
+    }
+
+    /// True if `stream` is capturing a CUDA graph (asked of the backend only while a capture
+    /// is under way on the device).
+    #[inline]
+    pub(super) fn capturing(&self, stream: Stream) -> bool {
+        self.shared.captures.load(Ordering::Relaxed) > 0 && self.backend.is_capturing(stream)
+    }
+
+    /// A capture has ended: blocks freed during it while a capturing stream used them get their
+    /// events now (recorded on streams that no longer capture, they complete with the work
+    /// queued there) and wait for them as any other.
+    pub fn end_capture(&mut self) {
+        let mut keep = Vec::new();
+        for (id, uses) in std::mem::take(&mut self.deferred) {
+            if uses.iter().any(|&s| self.capturing(s)) {
+                keep.push((id, uses)); // another capture still runs on one of them
+                continue;
+            }
+            let events = self.record_uses(uses);
+            self.pending.push((id, events));
+        }
+        self.deferred = keep;
+    }
+
+    /// An event on each stream of `uses` (a stream that cannot get one is waited for now).
+    pub(super) fn record_uses(&mut self, uses: Vec<Stream>) -> Vec<Event> {
+        let mut events = Vec::with_capacity(uses.len());
+        for st in uses {
+            match self.backend.record_event(st) {
+                Ok(ev) => events.push(ev),
+                // without an event, wait for the stream now: correctness over speed
+                Err(_) => {
+                    let _ = self.backend.synchronize(st);
+                }
+            }
+        }
+        events
     }
 
     /// Free blocks whose recorded events have all completed.

@@ -19,6 +19,15 @@ impl CachingPool {
         }))
     }
 
+    /// Where the live block at `addr` (allocated through the address API) lies:
+    /// `(block address, block size, segment address, segment size, expandable)`.
+    pub fn extent_of(&self, addr: DevPtr) -> Option<(u64, u64, u64, u64, bool)> {
+        let &id = self.live.get(&addr)?;
+        let b = &self.blocks[id as usize];
+        let s = &self.segments[b.segment as usize];
+        Some((b.addr, b.size, s.addr, s.size, s.pages.is_some()))
+    }
+
     /// Largest free (cached) block; in expandable segments, the longest free range that is
     /// mapped (so it is served with no driver call).
     pub fn largest_free_block(&self) -> u64 {

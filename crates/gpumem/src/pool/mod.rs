@@ -28,6 +28,7 @@
 //!   size rounding; `pinned.rs`: the pinned host pool's policy.
 
 mod arena;
+mod checkpoint;
 mod classic;
 mod events;
 mod expandable;
@@ -43,6 +44,7 @@ pub mod summary;
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::resource::{unsupported, Backend, DevPtr, Event, Stream, VirtualMemory};
+pub use checkpoint::{BlockLayout, Layout, Restored, SegmentLayout};
 use expandable::{Churn, Pages};
 use free_index::FreeIndex;
 use record::{Action, Recorder};
@@ -123,6 +125,9 @@ pub struct SharedCounters {
     pub peak_reserved: AtomicU64,
     /// highest page-churn level of any shard (see `Churn`): shards share what one learnt
     pub churn_level: std::sync::atomic::AtomicU32,
+    /// CUDA-graph captures under way on the device: while any is, the pool asks the backend
+    /// whether a stream is capturing before it records an event there
+    pub captures: std::sync::atomic::AtomicU32,
 }
 
 /// What [`CachingPool::allocate`] hands out.
@@ -206,6 +211,9 @@ pub struct CachingPool {
     quick_score: i32,
     quick_probe: u32,
     pending: Vec<(u32, Vec<Event>)>,
+    /// freed blocks used by a stream that was capturing a CUDA graph when they were freed:
+    /// their events are recorded once the capture ends ([`CachingPool::end_capture`])
+    deferred: Vec<(u32, Vec<Stream>)>,
     streams: Vec<Stream>,
     stats: HotStats,
     tick: u64,
@@ -274,6 +282,7 @@ impl CachingPool {
             quick_score: 0,
             quick_probe: 0,
             pending: Vec::new(),
+            deferred: Vec::new(),
             streams: Vec::new(),
             stats: HotStats::default(),
             tick: 0,

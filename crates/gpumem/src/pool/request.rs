@@ -184,16 +184,11 @@ impl CachingPool {
         if deferred {
             let uses = b.uses.take().map(|u| *u).unwrap_or_default();
             b.state = State::Pending;
-            let mut events = Vec::with_capacity(uses.len());
-            for st in uses {
-                match self.backend.record_event(st) {
-                    Ok(ev) => events.push(ev),
-                    // without an event, wait for the stream now: correctness over speed
-                    Err(_) => {
-                        let _ = self.backend.synchronize(st);
-                    }
-                }
+            if uses.iter().any(|&s| self.capturing(s)) {
+                self.deferred.push((id, uses));
+                return Ok(());
             }
+            let events = self.record_uses(uses);
             self.pending.push((id, events));
             return Ok(());
         }

@@ -49,6 +49,10 @@ macro_rules! forward_stream_ops {
                 let $s = self;
                 $inner.synchronize_device()
             }
+            fn is_capturing(&self, stream: $crate::resource::Stream) -> bool {
+                let $s = self;
+                $inner.is_capturing(stream)
+            }
             unsafe fn copy(
                 &self,
                 dst: $crate::resource::DevPtr,
@@ -86,6 +90,9 @@ macro_rules! forward_resource_passthrough {
         }
         fn host_registration(&self) -> Option<&dyn $crate::resource::HostRegistration> {
             self.$inner.host_registration()
+        }
+        fn ipc(&self) -> Option<&dyn $crate::resource::Ipc> {
+            self.$inner.ipc()
         }
     };
 }

@@ -144,6 +144,32 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
     fn host_registration(&self) -> Option<&dyn HostRegistration> {
         None
     }
+    /// Sharing memory with other processes, where this resource can.
+    fn ipc(&self) -> Option<&dyn Ipc> {
+        None
+    }
+}
+
+/// Memory shared with other processes (what `torch.multiprocessing` needs): the driver's IPC
+/// handles of whole device allocations, and virtual-memory pages exported as POSIX file
+/// descriptors (the receiving process duplicates them with `pidfd_getfd`).
+pub trait Ipc: Send + Sync {
+    /// The driver's IPC handle of the device allocation that starts at `base`.
+    fn segment_handle(&self, base: DevPtr) -> Result<[u8; 64]>;
+    /// Open a segment handle of another process: its address in this process.
+    fn open_segment(&self, handle: &[u8; 64]) -> Result<DevPtr>;
+    /// Close a segment opened with [`Ipc::open_segment`].
+    fn close_segment(&self, ptr: DevPtr) -> Result<()>;
+    /// Page size of exported pages.
+    fn page_size(&self) -> u64;
+    /// Export the pages mapped at `[addr, addr + bytes)` (page-aligned): one file descriptor
+    /// per page, which must stay open until the receiver has imported them.
+    fn export_pages(&self, addr: DevPtr, bytes: u64) -> Result<Vec<std::os::fd::OwnedFd>>;
+    /// Map the pages process `pid` exported (its descriptors `fds`, pages of `page` bytes) at
+    /// a new address of this process; returns it.
+    fn import_pages(&self, pid: i32, fds: &[i32], page: u64) -> Result<DevPtr>;
+    /// Unmap pages imported with [`Ipc::import_pages`] and free their address range.
+    fn close_pages(&self, addr: DevPtr, bytes: u64) -> Result<()>;
 }
 
 /// Virtual-memory segments: address space reserved without memory, and physical pages mapped
@@ -301,6 +327,11 @@ pub trait StreamOps: Send + Sync {
     fn destroy_stream(&self, stream: Stream);
     /// Block the host until all work on `stream` has completed.
     fn synchronize(&self, stream: Stream) -> Result<()>;
+    /// True while `stream` is being captured into a CUDA graph: an event recorded on it then
+    /// is part of the graph and cannot be queried, so the pool records none there.
+    fn is_capturing(&self, _stream: Stream) -> bool {
+        false
+    }
     /// Block the host until all work on the device has completed (needs no stream, so it is
     /// safe where a stream may have been destroyed since).
     fn synchronize_device(&self) -> Result<()>;

@@ -17,7 +17,10 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <unordered_set>
 #include <csignal>
 #include <execinfo.h>
 #include <unistd.h>
@@ -40,6 +43,25 @@ size_t gpumem_segments_flat(int device, uint64_t* out, size_t cap);
 void gpumem_record_history(int on, size_t max_entries);
 int gpumem_history_enabled();
 size_t gpumem_history_flat(int device, uint64_t* out, size_t cap);
+int gpumem_pool_begin(int device, uint64_t a, uint64_t b);
+int gpumem_pool_end(int device, uint64_t a, uint64_t b);
+int gpumem_pool_incref(int device, uint64_t a, uint64_t b);
+int gpumem_pool_release(int device, uint64_t a, uint64_t b);
+int gpumem_pool_use_count(int device, uint64_t a, uint64_t b);
+void* gpumem_pool_alloc_checked(int device, uint64_t a, uint64_t b, ssize_t size, void* stream,
+                                char* err, size_t errlen, int* oom);
+ssize_t gpumem_pool_live(int device, uint64_t a, uint64_t b, uint64_t* out, size_t cap);
+uint64_t gpumem_pool_empty_cache(uint64_t a, uint64_t b);
+size_t gpumem_pool_segments_flat(int device, uint64_t a, uint64_t b, uint64_t* out, size_t cap);
+void* gpumem_pool_checkpoint(int device, uint64_t a, uint64_t b);
+size_t gpumem_checkpoint_allocated(const void* ckpt);
+void gpumem_checkpoint_free(void* ckpt);
+ssize_t gpumem_ipc_share(uint64_t ptr, uint8_t* out, size_t cap, int64_t* offset);
+int gpumem_ipc_open(int device, const uint8_t* handle, size_t len, uint64_t* out);
+int gpumem_ipc_close(uint64_t ptr);
+size_t gpumem_ipc_last_error(char* buf, size_t cap);
+int gpumem_pool_restore(int device, uint64_t a, uint64_t b, const void* ckpt, uint64_t* freed,
+                        size_t freed_cap, uint64_t* allocd, size_t allocd_cap, size_t* counts);
 }
 
 namespace {
@@ -49,8 +71,95 @@ using c10::CachingAllocator::Stat;
 using c10::CachingAllocator::StatArray;
 using c10::CachingDeviceAllocator::DeviceStats;
 
+// CUDA-graph captures (and MemPool contexts) under way: while any is, allocations are routed
+// by torch's filters and gpumem's calls run in relaxed capture mode (a capture in global mode
+// forbids other threads' event queries and device allocations, as PyTorch's own allocator
+// knows: it does the same around cudaMalloc).
+std::atomic<int> g_captures{0};
+
+struct RelaxedCaptureMode {
+  explicit RelaxedCaptureMode(bool on) : on_(on) {
+    if (on_) {
+      mode_ = cudaStreamCaptureModeRelaxed;
+      if (cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) {
+        (void)cudaGetLastError();
+        on_ = false;
+      }
+    }
+  }
+  ~RelaxedCaptureMode() {
+    if (on_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  bool on_;
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 void gpumem_delete(void* ptr) {
+  RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
   gpumem_free_ptr(ptr);
+}
+
+std::string ipc_error() {
+  std::string e(gpumem_ipc_last_error(nullptr, 0) + 1, '\0');
+  gpumem_ipc_last_error(e.data(), e.size());
+  e.resize(e.size() - 1);
+  return e;
+}
+
+bool is_pool(c10::MempoolId_t id) {
+  return id.first != 0 || id.second != 0;
+}
+
+std::string pool_name(c10::MempoolId_t id) {
+  return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+}
+
+// A checkpoint of a private pool (CUDA graph trees): gpumem's saved layout.
+struct GpumemState final : CCA::AllocatorState {
+  GpumemState(c10::DeviceIndex dev, c10::MempoolId_t id, void* ckpt)
+      : dev(dev), id(id), ckpt(ckpt) {}
+  ~GpumemState() override {
+    gpumem_checkpoint_free(ckpt);
+  }
+  c10::DeviceIndex dev;
+  c10::MempoolId_t id;
+  void* ckpt;
+};
+
+// the segments of a flat answer (gpumem_segments_flat's layout) into a snapshot
+void add_segments(CCA::SnapshotInfo& info, int dev, const std::vector<uint64_t>& flat,
+                  c10::MempoolId_t owner) {
+  size_t i = 0;
+  while (i + 6 <= flat.size()) {
+    c10::CachingDeviceAllocator::SegmentInfo seg;
+    seg.device = static_cast<c10::DeviceIndex>(dev);
+    seg.address = flat[i];
+    seg.total_size = flat[i + 1];
+    seg.stream = reinterpret_cast<void*>(flat[i + 2]);
+    seg.is_large = flat[i + 3] != 0;
+    seg.is_expandable = flat[i + 4] != 0;
+    seg.owner_private_pool_id = owner;
+    size_t blocks = flat[i + 5];
+    i += 6;
+    for (size_t b = 0; b < blocks && i + 4 <= flat.size(); ++b, i += 4) {
+      c10::CachingDeviceAllocator::BlockInfo block;
+      block.size = flat[i];
+      block.requested_size = flat[i + 1];
+      block.allocated = flat[i + 2] != 0;
+      block.active = flat[i + 3] != 0;
+      if (block.allocated) {
+        seg.allocated_size += block.size;
+        seg.requested_size += block.requested_size;
+      }
+      if (block.active) seg.active_size += block.size;
+      seg.blocks.push_back(block);
+    }
+    info.segments.push_back(std::move(seg));
+  }
 }
 
 // torch.cuda.memory_stats() names, in the order getDeviceStats reads them back
@@ -90,11 +199,17 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   bool initialized() override {
     return true;
   }
-  void emptyCache(c10::MempoolId_t /*mempool_id*/) override {
-    gpumem_empty_cache();
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+    if (is_pool(mempool_id)) {
+      gpumem_pool_empty_cache(mempool_id.first, mempool_id.second);
+    } else {
+      gpumem_empty_cache();
+    }
   }
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (!ptr.get()) return;
+    RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
     gpumem_record_stream(ptr.get(), ptr.device().index(), stream.stream());
   }
   DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
@@ -142,7 +257,7 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     return alloc_or_throw(n, c10::cuda::current_device(), stream);
   }
   void raw_delete(void* ptr) override {
-    gpumem_free_ptr(ptr);
+    gpumem_delete(ptr);
   }
   void init(int device_count) override {
     std::lock_guard<std::mutex> l(mu_);
@@ -177,7 +292,7 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   void* getBaseAllocation(void* /*ptr*/, size_t* /*size*/) override {
     TORCH_CHECK(false, "gpumem: getBaseAllocation (CUDA IPC of tensors) is not supported yet");
   }
-  CCA::SnapshotInfo snapshot(c10::MempoolId_t /*mempool_id*/, bool /*include_traces*/) override {
+  CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool /*include_traces*/) override {
     // the segments of every device in use (an expandable segment as one segment per mapped
     // run of pages); no traces yet (gpumem records its own: see gpumem_torch)
     CCA::SnapshotInfo info;
@@ -187,35 +302,19 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
       return info;
     }
     for (int dev = 0; dev < count; ++dev) {
-      std::vector<uint64_t> flat(gpumem_segments_flat(dev, nullptr, 0));
-      if (flat.empty()) continue;
-      flat.resize(gpumem_segments_flat(dev, flat.data(), flat.size()));
-      size_t i = 0;
-      while (i + 6 <= flat.size()) {
-        c10::CachingDeviceAllocator::SegmentInfo seg;
-        seg.device = static_cast<c10::DeviceIndex>(dev);
-        seg.address = flat[i];
-        seg.total_size = flat[i + 1];
-        seg.stream = reinterpret_cast<void*>(flat[i + 2]);
-        seg.is_large = flat[i + 3] != 0;
-        seg.is_expandable = flat[i + 4] != 0;
-        size_t blocks = flat[i + 5];
-        i += 6;
-        for (size_t b = 0; b < blocks && i + 4 <= flat.size(); ++b, i += 4) {
-          c10::CachingDeviceAllocator::BlockInfo block;
-          block.size = flat[i];
-          block.requested_size = flat[i + 1];
-          block.allocated = flat[i + 2] != 0;
-          block.active = flat[i + 3] != 0;
-          if (block.allocated) {
-            seg.allocated_size += block.size;
-            seg.requested_size += block.requested_size;
-          }
-          if (block.active) seg.active_size += block.size;
-          seg.blocks.push_back(block);
-        }
-        info.segments.push_back(std::move(seg));
+      std::vector<uint64_t> flat;
+      if (is_pool(mempool_id)) {
+        flat.resize(gpumem_pool_segments_flat(dev, mempool_id.first, mempool_id.second,
+                                              nullptr, 0));
+        if (flat.empty()) continue;
+        flat.resize(gpumem_pool_segments_flat(dev, mempool_id.first, mempool_id.second,
+                                              flat.data(), flat.size()));
+      } else {
+        flat.resize(gpumem_segments_flat(dev, nullptr, 0));
+        if (flat.empty()) continue;
+        flat.resize(gpumem_segments_flat(dev, flat.data(), flat.size()));
       }
+      add_segments(info, dev, flat, mempool_id);
     }
     info.device_traces.resize(static_cast<size_t>(count));
     if (gpumem_history_enabled()) {
@@ -235,19 +334,105 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     }
     return info;
   }
-  // CUDA graphs: no private pools yet; allocations during capture come from the shared pool,
-  // as through the pluggable path
-  void beginAllocateToPool(c10::DeviceIndex, c10::MempoolId_t,
-                           std::function<bool(cudaStream_t)>) override {}
-  void endAllocateToPool(c10::DeviceIndex, c10::MempoolId_t) override {}
-  void releasePool(c10::DeviceIndex, c10::MempoolId_t) override {}
-  CCA::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
-    TORCH_CHECK(false,
-                "gpumem: sharing CUDA tensors between processes is not supported yet");
+  // CUDA graphs and MemPool: private pools. Allocations on a stream a capture's filter accepts
+  // go to its pool (the newest capture first, as in PyTorch); frees go back to the pool the
+  // block came from.
+  void beginAllocateToPool(c10::DeviceIndex dev, c10::MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      for (const auto& c : captures_) {
+        TORCH_CHECK(!(c.dev == dev && c.id == id),
+                    "gpumem: beginAllocateToPool: already recording to pool " + pool_name(id));
+      }
+    }
+    TORCH_CHECK(gpumem_pool_begin(dev, id.first, id.second) == 0,
+                "gpumem: cannot start allocating to pool " + pool_name(id) + " on device " +
+                    std::to_string(dev));
+    std::lock_guard<std::mutex> l(mu_);
+    captures_.push_back(Capture{dev, id, std::move(filter)});
+    g_captures.fetch_add(1);
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
+  void endAllocateToPool(c10::DeviceIndex dev, c10::MempoolId_t id) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      auto it = std::find_if(captures_.begin(), captures_.end(),
+                             [&](const Capture& c) { return c.dev == dev && c.id == id; });
+      TORCH_CHECK(it != captures_.end(),
+                  "gpumem: endAllocateToPool: not recording to pool " + pool_name(id));
+      captures_.erase(it);
+      g_captures.fetch_sub(1);
+    }
+    gpumem_pool_end(dev, id.first, id.second);
+  }
+  // called from CUDAGraph's destructor: never throws
+  void releasePool(c10::DeviceIndex dev, c10::MempoolId_t id) override {
+    RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+    if (gpumem_pool_release(dev, id.first, id.second) != 0) {
+      TORCH_WARN(std::string("gpumem: releasePool: pool ") + pool_name(id) +
+                 " has no users to release");
+    }
+  }
+  int getPoolUseCount(c10::DeviceIndex dev, c10::MempoolId_t id) override {
+    int n = gpumem_pool_use_count(dev, id.first, id.second);
+    return n < 0 ? 0 : n;
+  }
+  void createOrIncrefPool(c10::DeviceIndex dev, c10::MempoolId_t id,
+                          std::shared_ptr<CCA::CUDAAllocator> allocator) override {
+    TORCH_CHECK(!allocator || allocator.get() == this,
+                "gpumem: a MemPool backed by another allocator (" +
+                    (allocator ? allocator->name() : std::string("?")) +
+                    ") cannot live inside gpumem; create the MemPool without an allocator");
+    TORCH_CHECK(gpumem_pool_incref(dev, id.first, id.second) == 0,
+                "gpumem: cannot create pool " + pool_name(id) + " on device " +
+                    std::to_string(dev));
+  }
+  void setUseOnOOM(c10::DeviceIndex dev, c10::MempoolId_t id, bool use_on_oom) override {
+    std::lock_guard<std::mutex> l(mu_);
+    auto key = std::make_pair(dev, id);
+    auto it = std::find(use_on_oom_.begin(), use_on_oom_.end(), key);
+    if (use_on_oom && it == use_on_oom_.end()) use_on_oom_.push_back(key);
+    if (!use_on_oom && it != use_on_oom_.end()) use_on_oom_.erase(it);
+  }
+  void setNoSplit(c10::DeviceIndex /*dev*/, c10::MempoolId_t /*id*/) override {
     TORCH_CHECK(false,
-                "gpumem: opening CUDA tensors of another process is not supported yet");
+                "gpumem: MemPool(no_split=True) is not supported: gpumem's private pools split "
+                "segments as its shared pool does");
+  }
+  bool checkPoolLiveAllocations(c10::DeviceIndex dev, c10::MempoolId_t id,
+                                const std::unordered_set<void*>& expected) override {
+    ssize_t n = gpumem_pool_live(dev, id.first, id.second, nullptr, 0);
+    if (n < 0) return expected.empty();
+    std::vector<uint64_t> live(static_cast<size_t>(n));
+    n = gpumem_pool_live(dev, id.first, id.second, live.data(), live.size());
+    if (static_cast<size_t>(n) != expected.size()) return false;
+    for (uint64_t p : live) {
+      if (!expected.count(reinterpret_cast<void*>(p))) return false;
+    }
+    return true;
+  }
+  // torch.multiprocessing: a block in a classic segment is shared with the driver's IPC handle
+  // in PyTorch's own layout (a receiver running PyTorch's allocator opens it too); a block in
+  // virtual-memory pages as exported page descriptors (the receiver must run gpumem)
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    int64_t offset = 0;
+    ssize_t n = gpumem_ipc_share(reinterpret_cast<uint64_t>(ptr), nullptr, 0, &offset);
+    TORCH_CHECK(n > 0, "gpumem: " + ipc_error());
+    std::string handle(static_cast<size_t>(n), '\0');
+    n = gpumem_ipc_share(reinterpret_cast<uint64_t>(ptr),
+                         reinterpret_cast<uint8_t*>(handle.data()), handle.size(), &offset);
+    TORCH_CHECK(n == static_cast<ssize_t>(handle.size()), "gpumem: " + ipc_error());
+    return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), handle};
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    c10::DeviceIndex dev = c10::cuda::current_device();
+    uint64_t p = 0;
+    int r = gpumem_ipc_open(dev, reinterpret_cast<const uint8_t*>(handle.data()), handle.size(),
+                            &p);
+    TORCH_CHECK(r == 0, "gpumem: " + ipc_error());
+    return std::shared_ptr<void>(reinterpret_cast<void*>(p), [](void* q) {
+      gpumem_ipc_close(reinterpret_cast<uint64_t>(q));
+    });
   }
   bool isHistoryEnabled() override {
     return gpumem_history_enabled() != 0;
@@ -279,26 +464,95 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
-  std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex,
-                                                          c10::MempoolId_t) override {
-    TORCH_CHECK(false, "gpumem: allocator checkpoints (CUDA graph trees) are not supported yet");
+  std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex dev,
+                                                          c10::MempoolId_t id) override {
+    void* ckpt = gpumem_pool_checkpoint(dev, id.first, id.second);
+    TORCH_CHECK(ckpt, "gpumem: no private pool " + pool_name(id) + " on device " +
+                          std::to_string(dev) + " to checkpoint");
+    return std::make_shared<GpumemState>(dev, id, ckpt);
   }
-  CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
-                                              std::shared_ptr<CCA::AllocatorState>) override {
-    TORCH_CHECK(false, "gpumem: allocator checkpoints (CUDA graph trees) are not supported yet");
+  CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex dev,
+                                              std::shared_ptr<CCA::AllocatorState> pps) override {
+    auto st = std::dynamic_pointer_cast<GpumemState>(pps);
+    TORCH_CHECK(st, "gpumem: this checkpoint was not taken by gpumem");
+    TORCH_CHECK(st->dev == dev, "gpumem: checkpoint of device " + std::to_string(st->dev) +
+                                    " restored on device " + std::to_string(dev));
+    RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+    ssize_t live = gpumem_pool_live(dev, st->id.first, st->id.second, nullptr, 0);
+    TORCH_CHECK(live >= 0, "gpumem: pool " + pool_name(st->id) + " is gone");
+    std::vector<uint64_t> freed(static_cast<size_t>(live));
+    std::vector<uint64_t> allocd(gpumem_checkpoint_allocated(st->ckpt));
+    size_t counts[2] = {0, 0};
+    int r = gpumem_pool_restore(dev, st->id.first, st->id.second, st->ckpt, freed.data(),
+                                freed.size(), allocd.data(), allocd.size(), counts);
+    TORCH_CHECK(r == 0, "gpumem: cannot restore pool " + pool_name(st->id) +
+                            " to its checkpoint (its segments changed)");
+    CCA::CheckpointDelta delta;
+    for (size_t i = 0; i < counts[0] && i < freed.size(); ++i)
+      delta.ptrs_freed.push_back(reinterpret_cast<void*>(freed[i]));
+    for (size_t i = 0; i < counts[1] && i < allocd.size(); ++i) {
+      void* p = reinterpret_cast<void*>(allocd[i]);
+      delta.dataptrs_allocd.emplace_back(p, p, &gpumem_delete,
+                                         c10::Device(c10::DeviceType::CUDA, dev));
+    }
+    return delta;
   }
   std::string name() override {
     return "gpumem";
   }
 
  private:
+  struct Capture {
+    c10::DeviceIndex dev;
+    c10::MempoolId_t id;
+    std::function<bool(cudaStream_t)> filter;
+  };
+
+  // the pool a capture's filter routes this allocation to, if any (newest capture first)
+  bool route(c10::DeviceIndex dev, cudaStream_t stream, c10::MempoolId_t* id) {
+    std::lock_guard<std::mutex> l(mu_);
+    for (auto it = captures_.rbegin(); it != captures_.rend(); ++it) {
+      if (it->dev == dev && it->filter(stream)) {
+        *id = it->id;
+        return true;
+      }
+    }
+    return false;
+  }
+
   void* alloc_or_throw(size_t n, c10::DeviceIndex dev, cudaStream_t stream) {
     if (n == 0) return nullptr;
     char err[1024] = {0};
     int oom = 0;
-    void* p = gpumem_alloc_checked(static_cast<ssize_t>(n), dev, stream, err, sizeof err, &oom);
+    void* p = nullptr;
+    if (C10_UNLIKELY(g_captures.load(std::memory_order_relaxed) > 0)) {
+      RelaxedCaptureMode relaxed(true);
+      c10::MempoolId_t id{0, 0};
+      if (route(dev, stream, &id)) {
+        p = gpumem_pool_alloc_checked(dev, id.first, id.second, static_cast<ssize_t>(n), stream,
+                                      err, sizeof err, &oom);
+      } else {
+        p = gpumem_alloc_checked(static_cast<ssize_t>(n), dev, stream, err, sizeof err, &oom);
+      }
+    } else {
+      p = gpumem_alloc_checked(static_cast<ssize_t>(n), dev, stream, err, sizeof err, &oom);
+    }
     if (p) return p;
     if (oom) {
+      // pools marked use_on_oom (MemPool(use_on_oom=True)) lend their memory
+      std::vector<c10::MempoolId_t> lenders;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        for (const auto& k : use_on_oom_)
+          if (k.first == dev) lenders.push_back(k.second);
+      }
+      for (const auto& id : lenders) {
+        char e2[16];
+        int o2 = 0;
+        p = gpumem_pool_alloc_checked(dev, id.first, id.second, static_cast<ssize_t>(n), stream,
+                                      e2, sizeof e2, &o2);
+        if (p) return p;
+      }
       size_t free_bytes = 0, total = 0;
       {
         c10::cuda::CUDAGuard g(dev);
@@ -321,6 +575,8 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
                            std::to_string(dev) + " failed: " + std::string(err));
   }
 
+  std::vector<Capture> captures_;
+  std::vector<std::pair<c10::DeviceIndex, c10::MempoolId_t>> use_on_oom_;
   std::mutex mu_;
   std::vector<CCA::OutOfMemoryObserver> observers_;
   std::vector<double> fractions_;

@@ -55,6 +55,18 @@ impl CudaDevice {
         pages.map(addr, bytes, &peers, stream)
     }
 
+    pub(super) fn bind(&self) -> Result<()> {
+        self.ops.bind()
+    }
+
+    pub(super) fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    pub(super) fn pages_engine(&self) -> Result<&Pages> {
+        self.pages()
+    }
+
     fn pages(&self) -> Result<&Pages> {
         self.pages
             .as_deref()
@@ -110,6 +122,10 @@ impl Resource for CudaDevice {
     }
 
     fn host_registration(&self) -> Option<&dyn HostRegistration> {
+        Some(self)
+    }
+
+    fn ipc(&self) -> Option<&dyn crate::resource::Ipc> {
         Some(self)
     }
 }

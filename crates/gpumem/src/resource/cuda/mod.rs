@@ -12,6 +12,7 @@ use std::sync::Arc;
 mod async_pool;
 pub mod cupti;
 mod device;
+mod ipc;
 mod managed;
 mod pages;
 mod pinned;
@@ -202,6 +203,17 @@ impl CudaOps {
         // SAFETY: the caller's live stream.
         unsafe { result::stream::synchronize(raw(stream)) }
             .map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    fn is_capturing(&self, stream: Stream) -> bool {
+        if self.bind().is_err() {
+            return false;
+        }
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller's live stream; `status` is a valid out-parameter.
+        let r = unsafe { sys::cuStreamIsCapturing(raw(stream), &mut status) };
+        r == sys::CUresult::CUDA_SUCCESS
+            && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
     }
 
     fn synchronize_device(&self) -> Result<()> {

@@ -317,6 +317,49 @@ impl Pages {
         Ok(())
     }
 
+    /// Export the pages mapped at `[addr, addr + bytes)` (page-aligned) as POSIX file
+    /// descriptors, one per page, for another process to import.
+    pub(super) fn export(&self, addr: DevPtr, bytes: u64) -> Result<Vec<std::os::fd::OwnedFd>> {
+        use std::os::fd::FromRawFd;
+        if self.prop.0.requestedHandleTypes
+            != sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        {
+            return Err(Error::Unsupported {
+                backend: "cuMemCreate".into(),
+                what: "exporting pages (the device has no POSIX file-descriptor handles)".into(),
+            });
+        }
+        if addr % self.page != 0 || bytes % self.page != 0 || bytes == 0 {
+            return Err(Error::InvalidAlignment {
+                align: self.page as usize,
+                max: self.page as usize,
+            });
+        }
+        let st = self.state.lock();
+        let mut fds = Vec::with_capacity((bytes / self.page) as usize);
+        for p in (addr..addr + bytes).step_by(self.page as usize) {
+            let h = *st.mapped.get(&p).ok_or_else(|| {
+                Error::InvalidArgument(format!("page {p:#x} is not mapped: nothing to export"))
+            })?;
+            let mut fd: i32 = -1;
+            // SAFETY: `h` is a live handle of this engine (mapped under the lock); `fd` is a
+            // valid out-parameter for a POSIX descriptor.
+            unsafe {
+                sys::cuMemExportToShareableHandle(
+                    (&mut fd as *mut i32).cast(),
+                    h,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                )
+            }
+            .result()
+            .map_err(|e| cuda_err("cuMemExportToShareableHandle", e))?;
+            // SAFETY: the driver just opened `fd` for us; we own it from here.
+            fds.push(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+        }
+        Ok(fds)
+    }
+
     /// Read-write access to `[addr, addr + bytes)` (mapped) for this device and `peers`.
     pub(super) fn set_access(&self, addr: DevPtr, bytes: u64, peers: &[usize]) -> Result<()> {
         let descs: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
@@ -657,6 +700,11 @@ fn worker(pages: std::sync::Weak<Pages>) {
         return;
     }
     drop(p);
+    // CUDA-graph captures in global mode forbid other threads' unsafe calls (event waits,
+    // unmaps) unless those threads are relaxed: this thread never captures, so it is
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is a valid in/out parameter; this sets only this thread's mode.
+    let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
     loop {
         let Some(p) = pages.upgrade() else {
             return;

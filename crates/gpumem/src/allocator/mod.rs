@@ -15,6 +15,11 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+mod ipc;
+mod private;
+pub use ipc::IpcExport;
+pub use private::PoolId;
+
 /// The shard lock: one atomic exchange to take it, a plain store to release it (parking_lot's
 /// release is a second atomic, which costs ~10 ns on the Xeon hosts of our GPU machines).
 /// Waiters yield the CPU. Shards are per thread, so waiting is rare.
@@ -41,6 +46,10 @@ struct Inner {
     config: Config,
     /// the accumulated counts at the last [`CachingAllocator::reset_accumulated`]
     accumulated_base: Mutex<Option<Stats>>,
+    /// private pools (CUDA graphs, `torch.cuda.MemPool`): see [`PoolId`]
+    private: Mutex<Vec<private::Private>>,
+    /// how many private pools exist (read without the lock on the free path)
+    private_count: AtomicUsize,
 }
 
 /// A block handed out by [`CachingAllocator::allocate`]. Give it back with
@@ -114,6 +123,8 @@ impl CachingAllocator {
                 config,
                 limit,
                 accumulated_base: Mutex::new(None),
+                private: Mutex::new(Vec::new()),
+                private_count: AtomicUsize::new(0),
             }),
         })
     }
@@ -233,6 +244,9 @@ impl CachingAllocator {
                 Err(_) => {}
             }
         }
+        if let Some(r) = self.free_private(ptr) {
+            return r;
+        }
         Err(err.unwrap_or(Error::UnknownPointer { ptr }))
     }
 
@@ -250,6 +264,9 @@ impl CachingAllocator {
                 return s.record_stream(ptr, stream);
             }
         }
+        if let Some(r) = self.record_stream_private(ptr, stream) {
+            return r;
+        }
         Err(Error::UnknownPointer { ptr })
     }
 
@@ -257,7 +274,8 @@ impl CachingAllocator {
     pub fn empty_cache(&self) -> u64 {
         (0..self.inner.shards.len())
             .map(|j| self.shard(j).empty_cache())
-            .sum()
+            .sum::<u64>()
+            + self.private_empty_cache()
     }
 
     /// Pre-populate the calling thread's shard with blocks of the given sizes.
@@ -272,6 +290,7 @@ impl CachingAllocator {
         for j in 0..self.inner.shards.len() {
             total.merge(&self.shard(j).stats());
         }
+        self.private_stats(&mut total);
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
         total.expandable_slack_level =
             u64::from(self.inner.shared.churn_level.load(Ordering::Relaxed));
@@ -303,6 +322,7 @@ impl CachingAllocator {
         for j in 0..self.inner.shards.len() {
             self.shard(j).reset_peak();
         }
+        self.private_reset_peak();
         let now = self.inner.shared.reserved.load(Ordering::Relaxed);
         self.inner
             .shared
@@ -399,14 +419,17 @@ impl CachingAllocator {
 
     /// Every segment of every shard with its blocks (for inspection and drawing).
     pub fn segments(&self) -> Vec<SegmentInfo> {
-        (0..self.inner.shards.len())
+        let mut all: Vec<SegmentInfo> = (0..self.inner.shards.len())
             .flat_map(|j| self.shard(j).segments())
-            .collect()
+            .collect();
+        all.extend(self.private_segments());
+        all
     }
 
     /// Check each shard's invariants (tests).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        (0..self.inner.shards.len()).try_for_each(|j| self.shard(j).check_invariants())
+        (0..self.inner.shards.len()).try_for_each(|j| self.shard(j).check_invariants())?;
+        self.private_check_invariants()
     }
 
     /// The backend (with its budget adaptor, if any).

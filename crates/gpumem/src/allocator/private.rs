@@ -1,0 +1,462 @@
+//! Private pools: PyTorch's CUDA-graph pools and `torch.cuda.MemPool`.
+//!
+//! A private pool is a [`CachingPool`] of its own beside the shards, named by PyTorch's
+//! `MempoolId_t` ([`PoolId`]). What is allocated into it comes back to it when freed and is
+//! reused only by later allocations into the same pool: memory freed during a graph capture is
+//! never handed to anyone else while the graph lives (its replays still use it). A pool lives
+//! while its use count (graphs and `MemPool` objects that hold it) is above zero; at zero, and
+//! once nothing allocated from it is alive, its segments go back to the device.
+//!
+//! Private pools use classic segments: a graph replays at fixed addresses, so the pages under a
+//! graph's blocks could never move anyway, and classic segments need no events or page calls
+//! while a capture runs.
+
+use super::{CachingAllocator, Inner};
+use crate::error::{Error, Result};
+use crate::pool::{CachingPool, Layout, Restored, SegmentInfo, Stats};
+use crate::resource::{DevPtr, Stream};
+use std::sync::atomic::Ordering;
+
+/// A private pool's id: PyTorch's `MempoolId_t` (two numbers; `(0, 0)` is no pool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolId(pub u64, pub u64);
+
+pub(super) struct Private {
+    id: PoolId,
+    pool: CachingPool,
+    /// graphs and pool objects holding the pool
+    uses: u32,
+    /// captures recording into it now
+    capturing: u32,
+}
+
+impl Private {
+    fn idle(&self) -> bool {
+        self.uses == 0 && self.capturing == 0
+    }
+}
+
+fn unknown(id: PoolId) -> Error {
+    Error::InvalidArgument(format!("no private pool ({}, {})", id.0, id.1))
+}
+
+impl Inner {
+    fn new_private(&self, id: PoolId) -> Private {
+        let mut config = self.config.clone();
+        config.pool.expandable_segments = false;
+        config.pool.cross_stream_reuse = false;
+        config.pool.garbage_collection_threshold = None;
+        Private {
+            id,
+            pool: CachingPool::new(self.backend.clone(), &config, self.shared.clone()),
+            uses: 0,
+            capturing: 0,
+        }
+    }
+}
+
+impl CachingAllocator {
+    fn with_private<T>(&self, id: PoolId, f: impl FnOnce(&mut Private) -> T) -> Result<T> {
+        let mut pools = self.inner.private.lock();
+        let p = pools.iter_mut().find(|p| p.id == id).ok_or(unknown(id))?;
+        Ok(f(p))
+    }
+
+    /// Make private pool `id` if there is none, and count one more user of it
+    /// (`createOrIncrefPool`: a `torch.cuda.MemPool`, or a graph that shares another's pool).
+    pub fn create_or_incref_pool(&self, id: PoolId) -> Result<()> {
+        if id == PoolId(0, 0) {
+            return Err(Error::InvalidArgument(
+                "pool id (0, 0) names no pool".into(),
+            ));
+        }
+        let mut pools = self.inner.private.lock();
+        match pools.iter_mut().find(|p| p.id == id) {
+            Some(p) => p.uses += 1,
+            None => {
+                let mut p = self.inner.new_private(id);
+                p.uses = 1;
+                pools.push(p);
+                self.inner
+                    .private_count
+                    .store(pools.len(), Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// A capture starts recording into pool `id` (made and counted as by
+    /// [`CachingAllocator::create_or_incref_pool`]). Until [`CachingAllocator::end_capture`],
+    /// the pools record no events on streams that are capturing.
+    pub fn begin_capture(&self, id: PoolId) -> Result<()> {
+        self.create_or_incref_pool(id)?;
+        self.with_private(id, |p| p.capturing += 1)?;
+        self.inner.shared.captures.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The capture into pool `id` has ended: blocks freed during it by streams that were
+    /// capturing get their events now.
+    pub fn end_capture(&self, id: PoolId) -> Result<()> {
+        let was = self.with_private(id, |p| {
+            let was = p.capturing;
+            p.capturing = p.capturing.saturating_sub(1);
+            was
+        })?;
+        if was == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "no capture is recording into pool ({}, {})",
+                id.0, id.1
+            )));
+        }
+        let _ =
+            self.inner
+                .shared
+                .captures
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(1));
+        for j in 0..self.inner.shards.len() {
+            self.shard(j).end_capture();
+        }
+        for p in self.inner.private.lock().iter_mut() {
+            p.pool.end_capture();
+        }
+        Ok(())
+    }
+
+    /// One user of pool `id` is gone (a graph reset, a `MemPool` deleted). At zero users the
+    /// pool's memory goes back to the device once nothing allocated from it is alive.
+    pub fn release_pool(&self, id: PoolId) -> Result<()> {
+        self.with_private(id, |p| {
+            if p.uses == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "pool ({}, {}) has no users left to release",
+                    id.0, id.1
+                )));
+            }
+            p.uses -= 1;
+            Ok(())
+        })??;
+        self.drop_idle_pools();
+        Ok(())
+    }
+
+    /// Users of pool `id` (`None` if there is no such pool).
+    pub fn pool_use_count(&self, id: PoolId) -> Option<u32> {
+        self.with_private(id, |p| p.uses).ok()
+    }
+
+    /// Allocate `bytes` on `stream` from private pool `id` (free it with
+    /// [`CachingAllocator::deallocate_ptr`]). Out of memory, the shards' caches and idle pools
+    /// are released and the allocation retried once.
+    pub fn allocate_in_pool(
+        &self,
+        id: PoolId,
+        stream: Stream,
+        bytes: usize,
+        align: usize,
+    ) -> Result<DevPtr> {
+        let r = self.with_private(id, |p| {
+            p.pool.allocate_inner(stream, bytes, align, false, true)
+        })?;
+        match r {
+            Err(e) if e.is_out_of_memory() => {}
+            r => return r.map(|a| a.addr),
+        }
+        for j in 0..self.inner.shards.len() {
+            self.shard(j).release_cached();
+        }
+        self.drop_idle_pools();
+        let r = self.with_private(id, |p| {
+            p.pool.allocate_inner(stream, bytes, align, true, true)
+        })?;
+        match r {
+            Err(Error::OutOfMemory(mut report)) => {
+                let stats = self.stats();
+                report.reserved = stats.reserved_bytes.all.current;
+                report.allocated = stats.allocated_bytes.all.current;
+                Err(Error::OutOfMemory(report))
+            }
+            r => r.map(|a| a.addr),
+        }
+    }
+
+    /// Free `ptr` if a private pool holds it: `None` if none does.
+    pub(super) fn free_private(&self, ptr: DevPtr) -> Option<Result<()>> {
+        if self.inner.private_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let mut pools = self.inner.private.lock();
+        let p = pools.iter_mut().find(|p| p.pool.owns(ptr))?;
+        let r = p.pool.free(ptr);
+        let drop_now = p.idle() && p.pool.live_count() == 0;
+        drop(pools);
+        if drop_now {
+            self.drop_idle_pools();
+        }
+        Some(r)
+    }
+
+    /// Record `stream` on `ptr` if a private pool holds it.
+    pub(super) fn record_stream_private(&self, ptr: DevPtr, stream: Stream) -> Option<Result<()>> {
+        if self.inner.private_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let mut pools = self.inner.private.lock();
+        let p = pools.iter_mut().find(|p| p.pool.owns(ptr))?;
+        Some(p.pool.record_stream(ptr, stream))
+    }
+
+    /// The pool `ptr` was allocated from: `None` for the shared pool (or an unknown address).
+    pub fn pool_of(&self, ptr: DevPtr) -> Option<PoolId> {
+        if self.inner.private_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let pools = self.inner.private.lock();
+        pools.iter().find(|p| p.pool.owns(ptr)).map(|p| p.id)
+    }
+
+    /// Where a live block of a private pool lies (see [`CachingPool::extent_of`]).
+    pub(super) fn private_extent_of(&self, ptr: DevPtr) -> Option<(u64, u64, u64, u64, bool)> {
+        if self.inner.private_count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        self.inner
+            .private
+            .lock()
+            .iter()
+            .find_map(|p| p.pool.extent_of(ptr))
+    }
+
+    /// Addresses allocated from pool `id` and not freed yet (PyTorch's
+    /// `checkPoolLiveAllocations`).
+    pub fn pool_live_allocations(&self, id: PoolId) -> Result<Vec<DevPtr>> {
+        self.with_private(id, |p| p.pool.live_addrs())
+    }
+
+    /// Release the cached segments of pool `id` if it has no users left; returns the bytes
+    /// released. A pool in use keeps its memory: a graph replays at its addresses.
+    pub fn empty_pool_cache(&self, id: PoolId) -> Result<u64> {
+        let r = self.with_private(id, |p| if p.idle() { p.pool.empty_cache() } else { 0 })?;
+        self.drop_idle_pools();
+        Ok(r)
+    }
+
+    /// The layout of pool `id`: which blocks of its segments are handed out
+    /// (`getCheckpointState`).
+    pub fn pool_layout(&self, id: PoolId) -> Result<Layout> {
+        self.with_private(id, |p| p.pool.layout())
+    }
+
+    /// Put pool `id` back to `layout` (`setCheckpointPoolState`): see [`CachingPool::restore`].
+    pub fn restore_pool(&self, id: PoolId, layout: &Layout) -> Result<Restored> {
+        self.with_private(id, |p| p.pool.restore(layout))?
+    }
+
+    /// Segments of pool `id`.
+    pub fn pool_segments(&self, id: PoolId) -> Result<Vec<SegmentInfo>> {
+        self.with_private(id, |p| p.pool.segments())
+    }
+
+    /// Ids of the private pools that exist now.
+    pub fn pool_ids(&self) -> Vec<PoolId> {
+        self.inner.private.lock().iter().map(|p| p.id).collect()
+    }
+
+    /// Drop every pool with no users, no capture and nothing alive (its segments go back to
+    /// the device), unless a capture is under way on the device (freeing memory then would
+    /// break it).
+    pub(super) fn drop_idle_pools(&self) {
+        if self.inner.shared.captures.load(Ordering::Relaxed) > 0 {
+            return;
+        }
+        let gone: Vec<Private> = {
+            let mut pools = self.inner.private.lock();
+            let mut gone = Vec::new();
+            let mut i = 0;
+            while i < pools.len() {
+                if pools[i].idle() && pools[i].pool.live_count() == 0 {
+                    gone.push(pools.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            self.inner
+                .private_count
+                .store(pools.len(), Ordering::Relaxed);
+            gone
+        };
+        drop(gone); // outside the lock: dropping frees the segments
+    }
+
+    /// Merge the private pools' statistics into `total`.
+    pub(super) fn private_stats(&self, total: &mut Stats) {
+        for p in self.inner.private.lock().iter() {
+            total.merge(&p.pool.stats());
+        }
+    }
+
+    pub(super) fn private_segments(&self) -> Vec<SegmentInfo> {
+        self.inner
+            .private
+            .lock()
+            .iter()
+            .flat_map(|p| p.pool.segments())
+            .collect()
+    }
+
+    pub(super) fn private_check_invariants(&self) -> std::result::Result<(), String> {
+        self.inner
+            .private
+            .lock()
+            .iter()
+            .try_for_each(|p| p.pool.check_invariants())
+    }
+
+    pub(super) fn private_reset_peak(&self) {
+        for p in self.inner.private.lock().iter_mut() {
+            p.pool.reset_peak();
+        }
+    }
+
+    pub(super) fn private_empty_cache(&self) -> u64 {
+        let mut n = 0;
+        for p in self.inner.private.lock().iter_mut() {
+            if p.idle() {
+                n += p.pool.empty_cache();
+            }
+        }
+        self.drop_idle_pools();
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::resource::host::HostResource;
+    use std::sync::Arc;
+
+    const MIB: usize = 1 << 20;
+
+    fn alloc() -> CachingAllocator {
+        CachingAllocator::new(Arc::new(HostResource::new()), Config::default()).unwrap()
+    }
+
+    #[test]
+    fn memory_freed_in_a_private_pool_is_reused_only_by_that_pool() {
+        let a = alloc();
+        let id = PoolId(1, 0);
+        a.begin_capture(id).unwrap();
+        let s = Stream(7);
+        let p = a.allocate_in_pool(id, s, 3 * MIB, 256).unwrap();
+        a.deallocate_ptr(p).unwrap(); // freed during the capture
+        let q = a.allocate_in_pool(id, s, 3 * MIB, 256).unwrap();
+        assert_eq!(p, q, "the pool reuses its own memory");
+        a.end_capture(id).unwrap();
+        a.deallocate_ptr(q).unwrap();
+        // the shared pool never gets it while the graph holds the pool
+        for _ in 0..4 {
+            let g = a.allocate_ptr(s, 3 * MIB, 256).unwrap();
+            assert_ne!(g, p);
+        }
+        assert_eq!(a.pool_use_count(id), Some(1));
+        let reserved = a.stats().reserved_bytes.all.current;
+        a.release_pool(id).unwrap(); // graph gone: the pool's memory goes back
+        assert_eq!(a.pool_use_count(id), None);
+        assert!(a.stats().reserved_bytes.all.current < reserved);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_released_pool_lives_until_its_last_block_is_freed() {
+        let a = alloc();
+        let id = PoolId(0, 5);
+        a.create_or_incref_pool(id).unwrap();
+        a.create_or_incref_pool(id).unwrap();
+        assert_eq!(a.pool_use_count(id), Some(2));
+        let p = a.allocate_in_pool(id, Stream(1), MIB, 512).unwrap();
+        assert_eq!(a.pool_of(p), Some(id));
+        assert_eq!(a.stats().allocated_bytes.all.current, MIB as u64);
+        a.release_pool(id).unwrap();
+        a.release_pool(id).unwrap();
+        assert!(a.release_pool(id).is_err(), "no users left");
+        assert_eq!(a.pool_use_count(id), Some(0), "a block is still alive");
+        assert_eq!(a.pool_live_allocations(id).unwrap(), vec![p]);
+        a.deallocate_ptr(p).unwrap();
+        assert_eq!(a.pool_use_count(id), None);
+        assert!(a.deallocate_ptr(p).is_err(), "double free is an error");
+        assert_eq!(a.stats().reserved_bytes.all.current, 0);
+    }
+
+    #[test]
+    fn bad_pool_calls_are_errors_and_leave_the_allocator_usable() {
+        let a = alloc();
+        let id = PoolId(3, 0);
+        assert!(a.create_or_incref_pool(PoolId(0, 0)).is_err());
+        assert!(a.allocate_in_pool(id, Stream(1), 64, 8).is_err());
+        assert!(a.release_pool(id).is_err());
+        assert!(a.end_capture(id).is_err());
+        a.create_or_incref_pool(id).unwrap();
+        assert!(a.end_capture(id).is_err(), "no capture into it");
+        assert!(a.allocate_in_pool(id, Stream(1), 0, 8).is_err());
+        let p = a.allocate_ptr(Stream(1), 64, 8).unwrap();
+        a.deallocate_ptr(p).unwrap();
+    }
+
+    #[test]
+    fn a_checkpoint_puts_the_pool_back_as_it_was() {
+        let a = alloc();
+        let id = PoolId(9, 0);
+        a.create_or_incref_pool(id).unwrap();
+        let s = Stream(2);
+        let x = a.allocate_in_pool(id, s, MIB, 512).unwrap();
+        let y = a.allocate_in_pool(id, s, 2 * MIB, 512).unwrap();
+        let z = a.allocate_in_pool(id, s, 300 << 10, 512).unwrap();
+        a.deallocate_ptr(y).unwrap();
+        let saved = a.pool_layout(id).unwrap();
+        let before = a.stats();
+        // another graph's recording changes the pool
+        a.deallocate_ptr(x).unwrap();
+        let w = a.allocate_in_pool(id, s, 5 * MIB, 512).unwrap();
+        let v = a.allocate_in_pool(id, s, 100 << 10, 512).unwrap();
+        let r = a.restore_pool(id, &saved).unwrap();
+        let mut freed = r.freed.clone();
+        freed.sort_unstable();
+        let mut want = vec![z, w, v];
+        want.sort_unstable();
+        assert_eq!(freed, want);
+        let mut back: Vec<DevPtr> = r.allocated.iter().map(|&(p, _)| p).collect();
+        back.sort_unstable();
+        let mut want = vec![x, z];
+        want.sort_unstable();
+        assert_eq!(back, want);
+        assert_eq!(a.pool_layout(id).unwrap(), saved);
+        let after = a.stats();
+        assert_eq!(
+            after.allocated_bytes.all.current,
+            before.allocated_bytes.all.current
+        );
+        a.check_invariants().unwrap();
+        for p in [x, z] {
+            a.deallocate_ptr(p).unwrap();
+        }
+        a.release_pool(id).unwrap();
+        assert_eq!(a.stats().allocated_bytes.all.current, 0);
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_pool_is_refused_unchanged() {
+        let a = alloc();
+        let (p1, p2) = (PoolId(1, 0), PoolId(2, 0));
+        a.create_or_incref_pool(p1).unwrap();
+        a.create_or_incref_pool(p2).unwrap();
+        let x = a.allocate_in_pool(p1, Stream(1), MIB, 512).unwrap();
+        let saved = a.pool_layout(p1).unwrap();
+        let y = a.allocate_in_pool(p2, Stream(1), MIB, 512).unwrap();
+        assert!(a.restore_pool(p2, &saved).is_err());
+        assert_eq!(a.pool_live_allocations(p2).unwrap(), vec![y]);
+        a.deallocate_ptr(x).unwrap();
+        a.deallocate_ptr(y).unwrap();
+    }
+}
