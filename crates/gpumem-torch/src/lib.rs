@@ -206,7 +206,7 @@ pub unsafe extern "C" fn gpumem_alloc_checked(
     errlen: usize,
     oom: *mut c_int,
 ) -> *mut c_void {
-    let result = guard(Err((false, "gpumem panicked".to_string())), || {
+    let result = guard(Err((false, String::new())), || {
         if size <= 0 {
             return Err((false, format!("allocation of {size} bytes")));
         }
@@ -223,6 +223,84 @@ pub unsafe extern "C" fn gpumem_alloc_checked(
     unsafe { checked_result(result, err, errlen, oom) }
 }
 
+/// [`gpumem_alloc_checked`] for a torch DataPtr: `*token` receives what
+/// [`gpumem_free_token`] frees the block with (the DataPtr's context: its deleter gets
+/// nothing else). The block can also be freed by address ([`gpumem_free_ptr`]).
+///
+/// # Safety
+/// As [`gpumem_alloc_checked`]; `token` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_alloc_token(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+    err: *mut c_char,
+    errlen: usize,
+    oom: *mut c_int,
+    token: *mut u64,
+) -> *mut c_void {
+    let result = guard(Err((false, String::new())), || {
+        if size <= 0 || !(0..=0xffff).contains(&device) {
+            return Err((
+                false,
+                format!("allocation of {size} bytes on device {device}"),
+            ));
+        }
+        let a = allocator(device).ok_or_else(|| {
+            (
+                false,
+                format!("device {device} could not be initialised (see the log)"),
+            )
+        })?;
+        a.allocate_token(Stream(stream as u64), size as usize, 512)
+            .map(|(p, t)| {
+                // SAFETY: the caller's contract.
+                unsafe { *token = (device as u64) << 48 | t };
+                p
+            })
+            .map_err(|e| (e.is_out_of_memory(), e.to_string()))
+    });
+    // SAFETY: the caller's contract.
+    unsafe { checked_result(result, err, errlen, oom) }
+}
+
+/// Free the block of `token` ([`gpumem_alloc_token`]); 0 on success, -1 if the token is not
+/// (or no longer) a live block.
+#[no_mangle]
+pub extern "C" fn gpumem_free_token(token: u64) -> c_int {
+    guard(-1, || {
+        let device = (token >> 48) as c_int;
+        let Some(a) = made_allocator(device) else {
+            return -1;
+        };
+        match a.deallocate_token(token & 0xffff_ffff_ffff) {
+            Ok(ptr) => {
+                ipc::forget_export(ptr);
+                0
+            }
+            Err(e) => {
+                state().refused.bad_frees.fetch_add(1, Ordering::Relaxed);
+                log_once("free", || format!("free of token {token:#x}: {e}"));
+                -1
+            }
+        }
+    })
+}
+
+/// `record_stream` for the block of `token` ([`gpumem_alloc_token`]); 0 on success.
+#[no_mangle]
+pub extern "C" fn gpumem_record_stream_token(token: u64, stream: *mut c_void) -> c_int {
+    guard(-1, || {
+        let Some(a) = made_allocator((token >> 48) as c_int) else {
+            return -1;
+        };
+        match a.record_stream_token(token & 0xffff_ffff_ffff, Stream(stream as u64)) {
+            Ok(()) => 0,
+            Err(_) => -1,
+        }
+    })
+}
+
 /// The pointer of `result`, or null with the reason written to `err` and `*oom` set.
 ///
 /// # Safety
@@ -236,6 +314,13 @@ unsafe fn checked_result(
     match result {
         Ok(p) => p as *mut c_void,
         Err((is_oom, msg)) => {
+            // an empty message: the allocation panicked (caught by `guard`, whose fallback
+            // allocates nothing on the fast path)
+            let msg = if msg.is_empty() {
+                "gpumem panicked".to_string()
+            } else {
+                msg
+            };
             if !oom.is_null() {
                 // SAFETY: the caller's contract.
                 unsafe { *oom = c_int::from(is_oom) };
@@ -682,6 +767,45 @@ mod tests {
             .into_owned();
         unsafe { gpumem_free_string(p) };
         s
+    }
+
+    #[test]
+    fn tokens_free_blocks_once_and_addresses_still_work() {
+        let _turn = super::TEST_LOCK.lock();
+        let s = std::ptr::null_mut();
+        let (mut err, mut oom, mut token) = ([0 as c_char; 128], 0, 0u64);
+        let base = stat("allocated_bytes.all.current");
+        // SAFETY: buffers sized as passed.
+        let p =
+            unsafe { gpumem_alloc_token(4096, 0, s, err.as_mut_ptr(), 128, &mut oom, &mut token) };
+        assert!(!p.is_null());
+        assert_eq!(stat("allocated_bytes.all.current"), base + 4096);
+        assert_eq!(
+            gpumem_record_stream(p, 0, 7 as *mut c_void),
+            0,
+            "found by address"
+        );
+        assert_eq!(gpumem_record_stream_token(token, 8 as *mut c_void), 0);
+        assert_eq!(gpumem_free_token(token), 0);
+        assert_eq!(gpumem_free_token(token), -1, "a token frees once");
+        assert_eq!(gpumem_free_token(u64::MAX), -1);
+        assert_eq!(gpumem_record_stream_token(token, s), -1, "freed");
+        assert_eq!(stat("allocated_bytes.all.current"), base);
+        // a block of a token given back by address (torch's raw_delete of a storage's pointer)
+        // SAFETY: as above.
+        let q =
+            unsafe { gpumem_alloc_token(8192, 0, s, err.as_mut_ptr(), 128, &mut oom, &mut token) };
+        assert_eq!(gpumem_free_ptr(q), 0);
+        assert_eq!(gpumem_free_token(token), -1, "already freed by address");
+        // SAFETY: as above; a negative size and a bad device are refused.
+        unsafe {
+            assert!(
+                gpumem_alloc_token(-1, 0, s, err.as_mut_ptr(), 128, &mut oom, &mut token).is_null()
+            );
+            assert!(
+                gpumem_alloc_token(64, 9, s, err.as_mut_ptr(), 128, &mut oom, &mut token).is_null()
+            );
+        }
     }
 
     // one test: the library's state is process-wide

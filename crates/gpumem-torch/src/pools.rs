@@ -90,7 +90,7 @@ pub unsafe extern "C" fn gpumem_pool_alloc_checked(
     errlen: usize,
     oom: *mut c_int,
 ) -> *mut c_void {
-    let result = guard(Err((false, "gpumem panicked".to_string())), || {
+    let result = guard(Err((false, String::new())), || {
         if size <= 0 {
             return Err((false, format!("allocation of {size} bytes")));
         }

@@ -1,7 +1,7 @@
 //! Where the time of one alloc+free goes, piece by piece (diagnostics for the benchmarks):
 //! `cargo run --release -p gpumem --example alloc_micro`.
 
-use gpumem::pool::{CachingPool, SharedCounters};
+use gpumem::pool::{CachingPool, Handout, SharedCounters};
 use gpumem::resource::sim::SimulatedDevice;
 use gpumem::workload::RandomLive;
 use gpumem::{CachingAllocator, Config, Stream};
@@ -45,7 +45,7 @@ fn main() {
     let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
     time("pool same_size (no lock)", n, || {
         let a = pool
-            .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, false)
+            .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, Handout::Id)
             .unwrap();
         pool.free_block_id(a.id, a.addr).unwrap();
     });
@@ -59,7 +59,7 @@ fn main() {
     let w = RandomLive::standard(1, 1 << 16);
     let mut live: Vec<_> = (0..w.live)
         .map(|i| {
-            pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, false)
+            pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
                 .unwrap()
         })
         .collect();
@@ -69,7 +69,7 @@ fn main() {
             let i = step % w.sizes.len();
             step += 1;
             let new = pool
-                .allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, false)
+                .allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
                 .unwrap();
             let old = std::mem::replace(&mut live[w.slots[i]], new);
             pool.free_block_id(old.id, old.addr).unwrap();

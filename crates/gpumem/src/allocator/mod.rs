@@ -9,7 +9,7 @@ use crate::adaptor::Limit;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::pool::summary::memory_summary;
-use crate::pool::{CachingPool, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
+use crate::pool::{CachingPool, Handout, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -155,7 +155,7 @@ impl CachingAllocator {
     #[inline]
     pub fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<Allocation> {
         let i = self.shard_index();
-        self.allocate_in(i, stream, bytes, align, false)
+        self.allocate_in(i, stream, bytes, align, Handout::Id)
             .map(|a| Allocation {
                 ptr: a.addr,
                 size: bytes,
@@ -169,7 +169,7 @@ impl CachingAllocator {
     /// [`CachingAllocator::deallocate_ptr`].
     pub fn allocate_ptr(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
         let i = self.shard_index();
-        self.allocate_in(i, stream, bytes, align, true)
+        self.allocate_in(i, stream, bytes, align, Handout::Address)
             .map(|a| a.addr)
     }
 
@@ -180,15 +180,15 @@ impl CachingAllocator {
         stream: Stream,
         bytes: usize,
         align: usize,
-        track_address: bool,
+        handout: Handout,
     ) -> Result<crate::pool::PoolAlloc> {
         let single = self.inner.shards.len() == 1;
         let r = self
             .shard(i)
-            .allocate_inner(stream, bytes, align, single, track_address);
+            .allocate_inner(stream, bytes, align, single, handout);
         match r {
             Err(e) if !single && e.is_out_of_memory() => {
-                self.allocate_after_reclaim(i, stream, bytes, align, track_address)
+                self.allocate_after_reclaim(i, stream, bytes, align, handout)
             }
             r => r,
         }
@@ -202,14 +202,14 @@ impl CachingAllocator {
         stream: Stream,
         bytes: usize,
         align: usize,
-        track_address: bool,
+        handout: Handout,
     ) -> Result<crate::pool::PoolAlloc> {
         for j in (0..self.inner.shards.len()).filter(|&j| j != i) {
             self.shard(j).release_cached();
         }
         let r = self
             .shard(i)
-            .allocate_inner(stream, bytes, align, true, track_address);
+            .allocate_inner(stream, bytes, align, true, handout);
         match r {
             Err(Error::OutOfMemory(mut report)) => {
                 let stats = self.stats();
@@ -223,6 +223,50 @@ impl CachingAllocator {
             }
             r => r,
         }
+    }
+
+    /// Allocate for a caller that gives the block back by a token alone (a torch DataPtr's
+    /// deleter): returns the address and the token for [`CachingAllocator::deallocate_token`].
+    /// The block can also be freed by address ([`CachingAllocator::deallocate_ptr`]), more
+    /// slowly. No address map is kept, which makes this the fastest way in and out. Tokens
+    /// fit in 48 bits (shard, the block's hand-out count, slot).
+    #[inline]
+    pub fn allocate_token(
+        &self,
+        stream: Stream,
+        bytes: usize,
+        align: usize,
+    ) -> Result<(DevPtr, u64)> {
+        let i = self.shard_index();
+        self.allocate_in(i, stream, bytes, align, Handout::Token)
+            .map(|a| {
+                let token = (i as u64) << 40 | u64::from(a.generation) << 32 | u64::from(a.id);
+                (a.addr, token)
+            })
+    }
+
+    /// Return a block from [`CachingAllocator::allocate_token`] by its token; returns its
+    /// address. A token used twice is an error, never undefined behaviour.
+    #[inline]
+    pub fn deallocate_token(&self, token: u64) -> Result<DevPtr> {
+        let (i, generation, id) = ((token >> 40) as usize, (token >> 32) as u8, token as u32);
+        if i >= self.inner.shards.len() {
+            return Err(Error::InvalidArgument(format!(
+                "token {token:#x}: no such shard"
+            )));
+        }
+        self.shard(i).free_by_id(id, generation)
+    }
+
+    /// [`CachingAllocator::record_stream`] for a block of [`CachingAllocator::allocate_token`].
+    pub fn record_stream_token(&self, token: u64, stream: Stream) -> Result<()> {
+        let (i, generation, id) = ((token >> 40) as usize, (token >> 32) as u8, token as u32);
+        if i >= self.inner.shards.len() {
+            return Err(Error::InvalidArgument(format!(
+                "token {token:#x}: no such shard"
+            )));
+        }
+        self.shard(i).record_stream_by_id(id, generation, stream)
     }
 
     /// Return an allocation; it is reused in order on its stream.

@@ -13,7 +13,7 @@
 
 use super::{CachingAllocator, Inner};
 use crate::error::{Error, Result};
-use crate::pool::{CachingPool, Layout, Restored, SegmentInfo, Stats};
+use crate::pool::{CachingPool, Handout, Layout, Restored, SegmentInfo, Stats};
 use crate::resource::{DevPtr, Stream};
 use std::sync::atomic::Ordering;
 
@@ -156,7 +156,8 @@ impl CachingAllocator {
         align: usize,
     ) -> Result<DevPtr> {
         let r = self.with_private(id, |p| {
-            p.pool.allocate_inner(stream, bytes, align, false, true)
+            p.pool
+                .allocate_inner(stream, bytes, align, false, Handout::Address)
         })?;
         match r {
             Err(e) if e.is_out_of_memory() => {}
@@ -167,7 +168,8 @@ impl CachingAllocator {
         }
         self.drop_idle_pools();
         let r = self.with_private(id, |p| {
-            p.pool.allocate_inner(stream, bytes, align, true, true)
+            p.pool
+                .allocate_inner(stream, bytes, align, true, Handout::Address)
         })?;
         match r {
             Err(Error::OutOfMemory(mut report)) => {

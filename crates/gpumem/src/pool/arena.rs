@@ -34,7 +34,8 @@ impl CachingPool {
             state: State::Allocated,
             kind,
             uses: None,
-            tracked: false,
+            handout: Handout::Id,
+            generation: 0,
         });
         self.segments[seg as usize].head = id;
         self.segment_index.insert(addr, seg);
@@ -90,7 +91,8 @@ impl CachingPool {
             state: State::Allocated,
             kind: b.kind,
             uses: None,
-            tracked: false,
+            handout: Handout::Id,
+            generation: 0,
         };
         let next = b.next;
         let r = self.new_block(rest);
@@ -237,7 +239,8 @@ impl CachingPool {
                 state: State::Dead,
                 kind: PoolKind::Small,
                 uses: None,
-                tracked: false,
+                handout: Handout::Id,
+                generation: 0,
             },
         )
     }

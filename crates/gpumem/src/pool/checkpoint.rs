@@ -132,11 +132,13 @@ impl CachingPool {
         let untracked = self
             .blocks
             .iter()
-            .filter(|b| b.state == State::Allocated && !b.tracked && b.segment != NIL)
+            .filter(|b| {
+                b.state == State::Allocated && b.handout != Handout::Address && b.segment != NIL
+            })
             .count();
         if untracked > 0 {
             return Err(Error::InvalidArgument(format!(
-                "{untracked} block(s) of this pool were handed out by id, not by address"
+                "{untracked} block(s) of this pool were not handed out by address"
             )));
         }
         // 1. everything handed out goes back
@@ -171,7 +173,7 @@ impl CachingPool {
                     let b = &mut self.blocks[id as usize];
                     b.requested = bl.requested.max(1);
                     b.rounded = b.size;
-                    b.tracked = true;
+                    b.handout = Handout::Address;
                     let (addr, bsize, kind, req, stream) =
                         (b.addr, b.size, b.kind, b.requested, b.stream);
                     self.live.insert(addr, id);
@@ -206,7 +208,8 @@ impl CachingPool {
             state: State::Allocated,
             kind: b.kind,
             uses: None,
-            tracked: false,
+            handout: Handout::Id,
+            generation: 0,
         };
         let next = b.next;
         let r = self.new_block(rest);

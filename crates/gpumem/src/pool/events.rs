@@ -71,11 +71,24 @@ impl CachingPool {
     /// Record that `stream` uses the live block at `addr` (PyTorch's `record_stream`): when it
     /// is freed, it is reused only after the work queued on `stream` by then has completed.
     pub fn record_stream(&mut self, addr: DevPtr, stream: Stream) -> Result<()> {
-        let id = *self
-            .live
-            .get(&addr)
+        let id = self
+            .find_allocated(addr)
             .ok_or(Error::UnknownPointer { ptr: addr })?;
         self.record_stream_id(id, addr, stream)
+    }
+
+    /// [`CachingPool::record_stream`] for a block handed out with a token
+    /// ([`CachingPool::free_by_id`]'s `id` and `generation`).
+    pub fn record_stream_by_id(&mut self, id: u32, generation: u8, stream: Stream) -> Result<()> {
+        match self.blocks.get(id as usize) {
+            Some(b) if b.generation == generation && b.handout == Handout::Token => {
+                let addr = b.addr;
+                self.record_stream_id(id, addr, stream)
+            }
+            _ => Err(Error::InvalidArgument(format!(
+                "block {id} is not handed out by token: a stale token"
+            ))),
+        }
     }
 
     /// [`CachingPool::record_stream`] for block `id` at `addr`.

@@ -19,10 +19,10 @@ impl CachingPool {
         }))
     }
 
-    /// Where the live block at `addr` (allocated through the address API) lies:
+    /// Where the live block at `addr` lies:
     /// `(block address, block size, segment address, segment size, expandable)`.
     pub fn extent_of(&self, addr: DevPtr) -> Option<(u64, u64, u64, u64, bool)> {
-        let &id = self.live.get(&addr)?;
+        let id = self.find_allocated(addr)?;
         let b = &self.blocks[id as usize];
         let s = &self.segments[b.segment as usize];
         Some((b.addr, b.size, s.addr, s.size, s.pages.is_some()))
@@ -136,7 +136,7 @@ impl CachingPool {
                     }
                     State::Allocated => {
                         live += 1;
-                        if b.tracked && self.live.get(&b.addr) != Some(&id) {
+                        if b.handout == Handout::Address && self.live.get(&b.addr) != Some(&id) {
                             return Err(format!("allocated block {:#x} not in live map", b.addr));
                         }
                         want.allocation.add_current(b.kind, 1);

@@ -96,8 +96,10 @@ struct Block {
     /// other streams recorded as users (record_stream); boxed to keep blocks to a cache line
     #[allow(clippy::box_collection)] // 8 bytes instead of 24: see `a_block_is_one_cache_line`
     uses: Option<Box<Vec<Stream>>>,
-    /// listed in the address map (allocated through the address-only API)
-    tracked: bool,
+    /// how the caller will give the block back
+    handout: Handout,
+    /// counts the block's hand-outs (a token carries it, so a stale token is refused)
+    generation: u8,
 }
 
 #[derive(Debug)]
@@ -130,6 +132,18 @@ pub struct SharedCounters {
     pub captures: std::sync::atomic::AtomicU32,
 }
 
+/// How a caller gives a block back ([`CachingPool::allocate_inner`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handout {
+    /// by id and address ([`CachingPool::free_block_id`]): typed buffers, the Rust API
+    Id,
+    /// by address ([`CachingPool::free`]): the block is listed in the address map
+    Address,
+    /// by id alone ([`CachingPool::free_by_id`]: a torch DataPtr's deleter), or by address
+    /// (found by walking its segment, for the rare caller that has only the address)
+    Token,
+}
+
 /// What [`CachingPool::allocate`] hands out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolAlloc {
@@ -139,6 +153,8 @@ pub struct PoolAlloc {
     pub block_size: u64,
     /// the block's slot, for [`CachingPool::free_block_id`]
     pub id: u32,
+    /// the block's hand-out count, for [`CachingPool::free_by_id`]
+    pub generation: u8,
 }
 
 /// A block as reported by [`CachingPool::segments`].
@@ -314,9 +330,9 @@ impl CachingPool {
         self.stats.reset_peak();
     }
 
-    /// True if `addr` is a live block of this pool allocated with `track_address`.
+    /// True if `addr` is a live block of this pool.
     pub fn owns(&self, addr: DevPtr) -> bool {
-        self.live.contains_key(&addr)
+        self.find_allocated(addr).is_some()
     }
 }
 

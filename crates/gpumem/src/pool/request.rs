@@ -6,19 +6,19 @@ impl CachingPool {
     /// Allocate `bytes` bytes on `stream` with `align` (a power of two ≤ [`MAX_ALIGN`]); the
     /// block can be freed by address ([`CachingPool::free`]) or id.
     pub fn allocate(&mut self, stream: Stream, bytes: usize, align: usize) -> Result<PoolAlloc> {
-        self.allocate_inner(stream, bytes, align, true, true)
+        self.allocate_inner(stream, bytes, align, true, Handout::Address)
     }
 
     /// [`CachingPool::allocate`] with options: `count_oom` false lets a caller that will retry
-    /// elsewhere count the out-of-memory itself; `track_address` false skips the address map,
-    /// so the block can only be freed by id ([`CachingPool::free_block_id`]), which is faster.
+    /// elsewhere count the out-of-memory itself; `handout` says how the block comes back
+    /// ([`Handout::Id`] and [`Handout::Token`] skip the address map, which is faster).
     pub fn allocate_inner(
         &mut self,
         stream: Stream,
         bytes: usize,
         align: usize,
         count_oom: bool,
-        track_address: bool,
+        handout: Handout,
     ) -> Result<PoolAlloc> {
         let req = bytes as u64;
         if bytes == 0 {
@@ -60,9 +60,10 @@ impl CachingPool {
         b.state = State::Allocated;
         b.requested = req;
         b.rounded = size;
-        b.tracked = track_address;
-        let (addr, bsize, kind) = (b.addr, b.size, b.kind);
-        if track_address {
+        b.handout = handout;
+        b.generation = b.generation.wrapping_add(1);
+        let (addr, bsize, kind, generation) = (b.addr, b.size, b.kind, b.generation);
+        if handout == Handout::Address {
             self.live.insert(addr, id);
         }
         self.stats.on_alloc(kind, bsize, req);
@@ -71,6 +72,7 @@ impl CachingPool {
             addr,
             block_size: bsize,
             id,
+            generation,
         })
     }
 
@@ -148,10 +150,58 @@ impl CachingPool {
     /// Return the block at `addr` (allocated with `track_address`) to the pool, ordered on its
     /// stream.
     pub fn free(&mut self, addr: DevPtr) -> Result<()> {
-        let Some(id) = self.live.remove(&addr) else {
-            return Err(self.bad_free(addr));
-        };
-        self.release(id)
+        if let Some(id) = self.live.remove(&addr) {
+            return self.release(id);
+        }
+        match self.find_allocated(addr) {
+            Some(id) if self.blocks[id as usize].handout == Handout::Token => self.release(id),
+            _ => Err(self.bad_free(addr)),
+        }
+    }
+
+    /// Return block `id` handed out with [`Handout::Token`] without its address (a torch
+    /// DataPtr's deleter knows only its context), if it is still that hand-out
+    /// ([`PoolAlloc::generation`]); returns the block's address.
+    #[inline]
+    pub fn free_by_id(&mut self, id: u32, generation: u8) -> Result<DevPtr> {
+        match self.blocks.get(id as usize) {
+            Some(b)
+                if b.state == State::Allocated
+                    && b.handout == Handout::Token
+                    && b.generation == generation =>
+            {
+                let addr = b.addr;
+                self.release(id).map(|()| addr)
+            }
+            _ => Err(Error::InvalidArgument(format!(
+                "block {id} is not handed out by id: double free or a stale token"
+            ))),
+        }
+    }
+
+    /// The block handed out at `addr`: from the address map, else (a block handed out by id)
+    /// found by walking its segment.
+    pub(super) fn find_allocated(&self, addr: DevPtr) -> Option<u32> {
+        if let Some(&id) = self.live.get(&addr) {
+            return Some(id);
+        }
+        let (_, &seg) = self.segment_index.range(..=addr).next_back()?;
+        let s = &self.segments[seg as usize];
+        if addr >= s.addr + s.size {
+            return None;
+        }
+        let mut id = s.head;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if b.addr == addr {
+                return (b.state == State::Allocated).then_some(id);
+            }
+            if b.addr > addr {
+                return None;
+            }
+            id = b.next;
+        }
+        None
     }
 
     /// Return the block `id` at `addr` ([`PoolAlloc::id`]) to the pool.
@@ -159,7 +209,7 @@ impl CachingPool {
     pub fn free_block_id(&mut self, id: u32, addr: DevPtr) -> Result<()> {
         match self.blocks.get(id as usize) {
             Some(b) if b.addr == addr && b.state == State::Allocated => {
-                if b.tracked {
+                if b.handout == Handout::Address {
                     self.live.remove(&addr);
                 }
                 self.release(id)

@@ -32,6 +32,10 @@ extern "C" {
 void* gpumem_alloc_checked(ssize_t size, int device, void* stream, char* err, size_t errlen,
                            int* oom);
 int gpumem_free_ptr(void* ptr);
+void* gpumem_alloc_token(ssize_t size, int device, void* stream, char* err, size_t errlen,
+                         int* oom, uint64_t* token);
+int gpumem_free_token(uint64_t token);
+int gpumem_record_stream_token(uint64_t token, void* stream);
 uint64_t gpumem_empty_cache();
 int gpumem_set_memory_fraction(double fraction, int device);
 int gpumem_record_stream(void* ptr, int device, void* stream);
@@ -110,6 +114,13 @@ std::string ipc_error() {
   return e;
 }
 
+// the deleter of tensors' memory: the DataPtr's context is gpumem's token for the block, so
+// freeing needs no address lookup
+void gpumem_delete_token(void* ctx) {
+  RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+  gpumem_free_token(reinterpret_cast<uint64_t>(ctx));
+}
+
 bool is_pool(c10::MempoolId_t id) {
   return id.first != 0 || id.second != 0;
 }
@@ -185,10 +196,29 @@ const std::vector<std::string>& stat_names() {
 
 class GpumemAllocator final : public CCA::CUDAAllocator {
  public:
+  // tensors' memory: freed by token (no address lookup) unless a capture or MemPool context
+  // routes allocations, where blocks are freed by address (torch swaps and compares the
+  // deleters of graph pools' storages with raw_deleter())
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex dev = c10::cuda::current_device();
-    void* p = alloc_or_throw(n, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
-    return {p, p, &gpumem_delete, c10::Device(c10::DeviceType::CUDA, dev)};
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+    c10::Device device(c10::DeviceType::CUDA, dev);
+    if (C10_UNLIKELY(n == 0 || g_captures.load(std::memory_order_relaxed) > 0)) {
+      void* p = alloc_or_throw(n, dev, stream);
+      return {p, p, &gpumem_delete, device};
+    }
+    char err[1024];
+    err[0] = 0;
+    int oom = 0;
+    uint64_t token = 0;
+    void* p = gpumem_alloc_token(static_cast<ssize_t>(n), dev, stream, err, sizeof err, &oom,
+                                 &token);
+    if (C10_UNLIKELY(!p)) {
+      // the slow path says why (and lends from use_on_oom pools)
+      p = alloc_or_throw(n, dev, stream);
+      return {p, p, &gpumem_delete, device};
+    }
+    return {p, reinterpret_cast<void*>(token), &gpumem_delete_token, device};
   }
   c10::DeleterFnPtr raw_deleter() const override {
     return &gpumem_delete;
@@ -210,6 +240,10 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (!ptr.get()) return;
     RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+    if (ptr.get_deleter() == &gpumem_delete_token) {
+      gpumem_record_stream_token(reinterpret_cast<uint64_t>(ptr.get_context()), stream.stream());
+      return;
+    }
     gpumem_record_stream(ptr.get(), ptr.device().index(), stream.stream());
   }
   DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
