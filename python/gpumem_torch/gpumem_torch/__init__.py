@@ -56,7 +56,8 @@ def library_path() -> str:
 def _load():
     global _lib
     if _lib is None:
-        lib = ctypes.CDLL(library_path())
+        # RTLD_GLOBAL: the native allocator extension resolves gpumem's C ABI from it
+        lib = ctypes.CDLL(library_path(), mode=ctypes.RTLD_GLOBAL)
         lib.gpumem_alloc.restype = ctypes.c_void_p
         lib.gpumem_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.gpumem_free.restype = None
@@ -96,7 +97,8 @@ def install(native=None) -> None:
     """Make gpumem PyTorch's CUDA allocator. Call it before anything uses CUDA.
 
     By default gpumem becomes a torch CUDAAllocator built from csrc/allocator.cpp against the
-    installed torch (see gpumem_torch.native; compiled once, ~30 s, then cached): out of
+    installed torch (see gpumem_torch.native: built into the wheel where torch was there at
+    build time, else compiled on first use, ~30 s, then cached): out of
     memory raises torch.OutOfMemoryError and torch.cuda.memory_* report gpumem's figures.
     Where that extension cannot be built (no C++ compiler or CUDA headers) it falls back, with
     a warning, to torch's CUDAPluggableAllocator, which lacks those. `native=False` (or

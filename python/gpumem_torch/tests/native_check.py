@@ -12,7 +12,9 @@ if os.environ.get("NATIVE_CHECK_BASELINE"):
     print("baseline: PyTorch's own allocator (gpumem not installed)")
 else:
     gpumem_torch.install(native=True)
-    print(f"built and installed in {time.time() - t:.1f} s")
+    from gpumem_torch import native
+
+    print(f"installed in {time.time() - t:.1f} s (extension: {native.source})")
 import torch  # noqa: E402
 
 results = []
