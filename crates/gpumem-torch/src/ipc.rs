@@ -146,6 +146,41 @@ pub unsafe extern "C" fn gpumem_ipc_share(
     }
 }
 
+/// The device allocation that holds the live block at `ptr` (torch's `getBaseAllocation`):
+/// its base, and its size in `*size`; 0 (see [`gpumem_ipc_last_error`]) if `ptr` is not a live
+/// block or lies in virtual-memory pages, which belong to no one allocation.
+///
+/// # Safety
+/// `size` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_base_allocation(ptr: u64, size: *mut u64) -> u64 {
+    let r = guard(None, || {
+        let set = state().devices.as_ref()?;
+        set.made().find_map(|d| d.block_extent(ptr))
+    });
+    match r {
+        Some((_, _, seg, seg_size, false)) => {
+            if !size.is_null() {
+                // SAFETY: the caller's contract.
+                unsafe { *size = seg_size };
+            }
+            seg
+        }
+        Some(_) => {
+            fail(format!(
+                "{ptr:#x} lies in virtual-memory pages (expandable segments), which are no one \
+                 device allocation: share it with shareIpcHandle, or use \
+                 GPUMEM_CONF=expandable_segments:False"
+            ));
+            0
+        }
+        None => {
+            fail(format!("{ptr:#x} is not a live gpumem allocation"));
+            0
+        }
+    }
+}
+
 /// A block was freed: close the descriptors of its export, if any.
 pub(crate) fn forget_export(ptr: u64) {
     if !ANY_EXPORTED.load(Ordering::Relaxed) {
@@ -315,6 +350,12 @@ mod tests {
             -1
         );
         assert_eq!(gpumem_ipc_close(0x1234), -1);
+        let mut size = 0;
+        // SAFETY: `size` is ours.
+        let base = unsafe { gpumem_base_allocation(p as u64, &mut size) };
+        assert!(base != 0 && base <= p as u64 && (p as u64) < base + size);
+        // SAFETY: as above.
+        assert_eq!(unsafe { gpumem_base_allocation(0xdead, &mut size) }, 0);
         assert_eq!(super::super::gpumem_free_ptr(p), 0);
     }
 }

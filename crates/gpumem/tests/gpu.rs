@@ -469,6 +469,19 @@ fn replay_on_the_gpu_agrees_with_the_simulation() {
     }
 }
 
+/// Waits (up to 2 s) until `threads_named(prefix)` is `n`, and returns the last count: a new
+/// thread names itself once it runs, so a count taken at once may miss it.
+fn threads_named_settled(prefix: &str, n: usize) -> usize {
+    let start = std::time::Instant::now();
+    loop {
+        let c = threads_named(prefix);
+        if c == n || start.elapsed() > std::time::Duration::from_secs(2) {
+            return c;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 /// Threads of this process whose name starts with `prefix`.
 fn threads_named(prefix: &str) -> usize {
     std::fs::read_dir("/proc/self/task")
@@ -500,7 +513,10 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
     {
         let a = Device::cuda(0, Config::parse("shards:1,expandable_slack:0").unwrap()).unwrap();
         assert!(a.expandable());
-        assert_eq!(threads_named("gpumem-pages"), workers_before + 1);
+        assert_eq!(
+            threads_named_settled("gpumem-pages", workers_before + 1),
+            workers_before + 1
+        );
         let mut live = Vec::new();
         for k in 0..40usize {
             let mut b = DeviceBuffer::<u32>::alloc(&a, s, (8 + (k * 7) % 40) * MIB / 4).unwrap();
@@ -521,7 +537,10 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
     }
     st.synchronize().unwrap();
     // the worker has gone and the device has its memory back (other processes aside)
-    assert_eq!(threads_named("gpumem-pages"), workers_before);
+    assert_eq!(
+        threads_named_settled("gpumem-pages", workers_before),
+        workers_before
+    );
     let free_after = device_free();
     assert!(
         free_after + 64 * MIB as u64 >= free_before,

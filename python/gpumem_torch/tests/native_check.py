@@ -342,4 +342,4 @@ def overhead():
 
 check("alloc overhead", overhead)
 print(f"{sum(r[1] == 'PASS' for r in results)} of {len(results)} pass")
-sys.exit(0)
+sys.exit(0 if all(r[1] == "PASS" for r in results) else 1)

@@ -35,8 +35,9 @@ pub enum IpcExport {
 impl CachingAllocator {
     /// Export the live block at `ptr` (allocated through the address API) for another process.
     pub fn ipc_export(&self, ptr: DevPtr) -> Result<IpcExport> {
-        let (addr, size, seg, _seg_size, expandable) =
-            self.extent_of(ptr).ok_or(Error::UnknownPointer { ptr })?;
+        let (addr, size, seg, _seg_size, expandable) = self
+            .block_extent(ptr)
+            .ok_or(Error::UnknownPointer { ptr })?;
         let ipc = self.inner.backend.ipc().ok_or_else(|| {
             unsupported(
                 self.inner.backend.name(),
@@ -62,8 +63,9 @@ impl CachingAllocator {
         })
     }
 
-    /// Where the live block at `ptr` lies (shards, then private pools).
-    fn extent_of(&self, ptr: DevPtr) -> Option<(u64, u64, u64, u64, bool)> {
+    /// Where the live block at `ptr` lies (shards, then private pools): `(block address,
+    /// block size, segment address, segment size, expandable)`.
+    pub fn block_extent(&self, ptr: DevPtr) -> Option<(u64, u64, u64, u64, bool)> {
         (0..self.inner.shards.len())
             .find_map(|j| self.shard(j).extent_of(ptr))
             .or_else(|| self.private_extent_of(ptr))

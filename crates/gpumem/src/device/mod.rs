@@ -11,7 +11,9 @@
 mod set;
 pub mod transfer;
 
-pub use crate::resource::info::{cuda_available, device_count, devices, DeviceInfo};
+pub use crate::resource::info::{
+    cuda_available, current_device, device_count, devices, DeviceInfo,
+};
 pub use set::DeviceSet;
 
 use crate::allocator::CachingAllocator;

@@ -41,6 +41,22 @@ pub fn cuda_available() -> bool {
     device_count() > 0
 }
 
+/// The device of the calling thread's current CUDA context (what the CUDA runtime calls the
+/// current device), or `None` where the thread has none (or there is no driver).
+pub fn current_device() -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        if device_count() == 0 {
+            return None;
+        }
+        super::cuda::query::current_device()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
 /// Number of CUDA devices (0 without a driver or without the `cuda` feature).
 pub fn device_count() -> usize {
     #[cfg(feature = "cuda")]

@@ -36,6 +36,7 @@ void* gpumem_alloc_token(ssize_t size, int device, void* stream, char* err, size
                          int* oom, uint64_t* token);
 int gpumem_free_token(uint64_t token);
 int gpumem_record_stream_token(uint64_t token, void* stream);
+int gpumem_current_device();
 uint64_t gpumem_empty_cache();
 int gpumem_set_memory_fraction(double fraction, int device);
 int gpumem_record_stream(void* ptr, int device, void* stream);
@@ -64,6 +65,7 @@ ssize_t gpumem_ipc_share(uint64_t ptr, uint8_t* out, size_t cap, int64_t* offset
 int gpumem_ipc_open(int device, const uint8_t* handle, size_t len, uint64_t* out);
 int gpumem_ipc_close(uint64_t ptr);
 size_t gpumem_ipc_last_error(char* buf, size_t cap);
+uint64_t gpumem_base_allocation(uint64_t ptr, uint64_t* size);
 int gpumem_pool_restore(int device, uint64_t a, uint64_t b, const void* ckpt, uint64_t* freed,
                         size_t freed_cap, uint64_t* allocd, size_t allocd_cap, size_t* counts);
 }
@@ -119,6 +121,14 @@ std::string ipc_error() {
 void gpumem_delete_token(void* ctx) {
   RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
   gpumem_free_token(reinterpret_cast<uint64_t>(ctx));
+}
+
+// torch's current device: the device of the thread's current CUDA context, read by one driver
+// call (c10::cuda::current_device() costs 54 ns on the H100 host, this a fraction), else
+// (no context on this thread yet) torch's own lookup
+c10::DeviceIndex current_device() {
+  int d = gpumem_current_device();
+  return d >= 0 ? static_cast<c10::DeviceIndex>(d) : c10::cuda::current_device();
 }
 
 bool is_pool(c10::MempoolId_t id) {
@@ -200,7 +210,7 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   // routes allocations, where blocks are freed by address (torch swaps and compares the
   // deleters of graph pools' storages with raw_deleter())
   c10::DataPtr allocate(size_t n) override {
-    c10::DeviceIndex dev = c10::cuda::current_device();
+    c10::DeviceIndex dev = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
     c10::Device device(c10::DeviceType::CUDA, dev);
     if (C10_UNLIKELY(n == 0 || g_captures.load(std::memory_order_relaxed) > 0)) {
@@ -284,11 +294,11 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     gpumem_reset_peak(dev);
   }
   void* raw_alloc(size_t n) override {
-    c10::DeviceIndex dev = c10::cuda::current_device();
+    c10::DeviceIndex dev = current_device();
     return alloc_or_throw(n, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
   }
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
-    return alloc_or_throw(n, c10::cuda::current_device(), stream);
+    return alloc_or_throw(n, current_device(), stream);
   }
   void raw_delete(void* ptr) override {
     gpumem_delete(ptr);
@@ -323,8 +333,14 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   void cacheInfo(c10::DeviceIndex dev, size_t* largest) override {
     *largest = static_cast<size_t>(gpumem_largest_free_block(dev));
   }
-  void* getBaseAllocation(void* /*ptr*/, size_t* /*size*/) override {
-    TORCH_CHECK(false, "gpumem: getBaseAllocation (CUDA IPC of tensors) is not supported yet");
+  // the classic segment that holds `ptr` (a block in virtual-memory pages has none, as with
+  // PyTorch's expandable segments)
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    uint64_t bytes = 0;
+    uint64_t base = gpumem_base_allocation(reinterpret_cast<uint64_t>(ptr), &bytes);
+    TORCH_CHECK(base != 0, "gpumem: getBaseAllocation: " + ipc_error());
+    if (size) *size = static_cast<size_t>(bytes);
+    return reinterpret_cast<void*>(base);
   }
   CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool /*include_traces*/) override {
     // the segments of every device in use (an expandable segment as one segment per mapped
@@ -482,7 +498,15 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     std::lock_guard<std::mutex> l(mu_);
     observers_.push_back(std::move(observer));
   }
-  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker /*tracker*/) override {}
+  // PyTorch attaches trace trackers to register allocator segments with NCCL
+  // (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK); gpumem does not report its segments to
+  // trackers yet, and a tracker that is never called would register nothing silently
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker /*tracker*/) override {
+    TORCH_CHECK(false,
+                "gpumem: allocator trace trackers (NCCL buffer registration through "
+                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) are not supported: gpumem does "
+                "not report its segments to trackers yet; unset that variable");
+  }
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
     c10::cuda::CUDAGuard g(dev);
     cudaError_t e = cudaDeviceEnablePeerAccess(dev_to_access, 0);

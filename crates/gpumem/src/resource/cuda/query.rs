@@ -15,6 +15,16 @@ pub(crate) fn count() -> usize {
     result::device::get_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// The device of the calling thread's current context (the CUDA runtime's current device:
+/// it binds that device's primary context), or `None` where the thread has no context yet.
+/// One driver call that reads the thread's state: cheaper than the runtime's cudaGetDevice.
+pub(crate) fn current_device() -> Option<usize> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one int; fails (no context) without side effects.
+    let r = unsafe { sys::cuCtxGetDevice(&mut dev) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(dev as usize)
+}
+
 fn attr(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> i32 {
     // SAFETY: `dev` is a valid device handle; attribute queries have no side effects.
     unsafe { result::device::get_attribute(dev, a) }.unwrap_or(0)
