@@ -295,6 +295,53 @@ pub extern "C" fn gpumem_current_device() -> c_int {
     gpumem::device::current_device().map_or(-1, |d| d as c_int)
 }
 
+/// Allocate `n` blocks of `sizes[i]` bytes each on `device` and `stream` in one call
+/// (neighbouring blocks, at most one driver call: see `CachingAllocator::allocate_batch`);
+/// `out[i]` receives each address. 0 on success; -1 otherwise, with nothing allocated. Free
+/// each with [`gpumem_free_ptr`].
+///
+/// # Safety
+/// `sizes` must hold `n` values and `out` `n` writable pointers.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_alloc_batch(
+    sizes: *const usize,
+    n: usize,
+    device: c_int,
+    stream: *mut c_void,
+    out: *mut *mut c_void,
+) -> c_int {
+    if n == 0 {
+        return 0;
+    }
+    if sizes.is_null() || out.is_null() {
+        return -1;
+    }
+    // SAFETY: the caller's contract.
+    let sizes = unsafe { std::slice::from_raw_parts(sizes, n) };
+    let r = guard(None, || {
+        let a = allocator(device)?;
+        match a.allocate_batch_ptr(Stream(stream as u64), sizes, 512) {
+            Ok(v) => Some(v),
+            Err(e) => {
+                state()
+                    .refused
+                    .failed_allocs
+                    .fetch_add(1, Ordering::Relaxed);
+                eprintln!("gpumem: batch of {n} allocations on device {device} failed: {e}");
+                None
+            }
+        }
+    });
+    let Some(ptrs) = r else {
+        return -1;
+    };
+    for (i, p) in ptrs.into_iter().enumerate() {
+        // SAFETY: `out` holds `n` pointers (the caller's contract) and i < n.
+        unsafe { *out.add(i) = p as *mut c_void };
+    }
+    0
+}
+
 /// `record_stream` for the block of `token` ([`gpumem_alloc_token`]); 0 on success.
 #[no_mangle]
 pub extern "C" fn gpumem_record_stream_token(token: u64, stream: *mut c_void) -> c_int {
@@ -814,6 +861,37 @@ mod tests {
                 gpumem_alloc_token(64, 9, s, err.as_mut_ptr(), 128, &mut oom, &mut token).is_null()
             );
         }
+    }
+
+    #[test]
+    fn a_batch_through_the_c_abi() {
+        let _turn = super::TEST_LOCK.lock();
+        let base = stat("allocated_bytes.all.current");
+        let sizes = [4096usize, 1 << 20, 100];
+        let mut out = [std::ptr::null_mut(); 3];
+        // SAFETY: arrays sized as passed.
+        let r = unsafe {
+            gpumem_alloc_batch(sizes.as_ptr(), 3, 0, std::ptr::null_mut(), out.as_mut_ptr())
+        };
+        assert_eq!(r, 0);
+        assert!(out.iter().all(|p| !p.is_null()));
+        assert!(stat("allocated_bytes.all.current") > base);
+        for p in out {
+            assert_eq!(gpumem_free_ptr(p), 0);
+        }
+        assert_eq!(stat("allocated_bytes.all.current"), base);
+        let bad = [4096usize, 0];
+        let mut out2 = [std::ptr::null_mut(); 2];
+        // SAFETY: as above.
+        let r = unsafe {
+            gpumem_alloc_batch(bad.as_ptr(), 2, 0, std::ptr::null_mut(), out2.as_mut_ptr())
+        };
+        assert_eq!(r, -1);
+        assert_eq!(
+            stat("allocated_bytes.all.current"),
+            base,
+            "nothing stays allocated"
+        );
     }
 
     // one test: the library's state is process-wide

@@ -112,3 +112,43 @@ fn same_size_pool_only(b: Bencher) {
         p.free(x.addr).unwrap();
     });
 }
+
+/// Eight tensors of a layer (weights, biases, activations: 4 KiB to 4 MiB) allocated in one
+/// call and freed, against the same sizes allocated one by one.
+const LAYER: [usize; 8] = [
+    4 << 20,
+    4096,
+    1 << 20,
+    4096,
+    2 << 20,
+    64 << 10,
+    512 << 10,
+    8192,
+];
+
+#[divan::bench(sample_count = 200, sample_size = 500)]
+fn batch_of_8_gpumem(b: Bencher) {
+    let a = gpumem();
+    b.bench(|| {
+        let blocks = a
+            .allocate_batch(Stream::DEFAULT, black_box(&LAYER), 256)
+            .unwrap();
+        for x in blocks {
+            a.deallocate(x).unwrap();
+        }
+    });
+}
+
+#[divan::bench(sample_count = 200, sample_size = 500)]
+fn one_by_one_8_gpumem(b: Bencher) {
+    let a = gpumem();
+    b.bench(|| {
+        let blocks: Vec<_> = black_box(&LAYER)
+            .iter()
+            .map(|&s| a.allocate(Stream::DEFAULT, s, 256).unwrap())
+            .collect();
+        for x in blocks {
+            a.deallocate(x).unwrap();
+        }
+    });
+}

@@ -225,6 +225,66 @@ impl CachingAllocator {
         }
     }
 
+    /// Allocate `sizes` (bytes each) on `stream` in one call: one lock, the blocks neighbours
+    /// in one free block or one new segment (or run of pages) where they fit, so at most one
+    /// driver call for the batch. Each comes back on its own. All or nothing.
+    pub fn allocate_batch(
+        &self,
+        stream: Stream,
+        sizes: &[usize],
+        align: usize,
+    ) -> Result<Vec<Allocation>> {
+        let i = self.shard_index();
+        let blocks = self.batch_in(i, stream, sizes, align, Handout::Id)?;
+        Ok(blocks
+            .into_iter()
+            .zip(sizes)
+            .map(|(a, &size)| Allocation {
+                ptr: a.addr,
+                size,
+                stream,
+                shard: i as u32,
+                id: a.id,
+            })
+            .collect())
+    }
+
+    /// [`CachingAllocator::allocate_batch`] for the address-only API (C ABI): free each with
+    /// [`CachingAllocator::deallocate_ptr`].
+    pub fn allocate_batch_ptr(
+        &self,
+        stream: Stream,
+        sizes: &[usize],
+        align: usize,
+    ) -> Result<Vec<DevPtr>> {
+        let i = self.shard_index();
+        Ok(self
+            .batch_in(i, stream, sizes, align, Handout::Address)?
+            .into_iter()
+            .map(|a| a.addr)
+            .collect())
+    }
+
+    fn batch_in(
+        &self,
+        i: usize,
+        stream: Stream,
+        sizes: &[usize],
+        align: usize,
+        handout: Handout,
+    ) -> Result<Vec<crate::pool::PoolAlloc>> {
+        let r = self.shard(i).allocate_batch(stream, sizes, align, handout);
+        match r {
+            Err(e) if self.inner.shards.len() > 1 && e.is_out_of_memory() => {
+                for j in (0..self.inner.shards.len()).filter(|&j| j != i) {
+                    self.shard(j).release_cached();
+                }
+                self.shard(i).allocate_batch(stream, sizes, align, handout)
+            }
+            r => r,
+        }
+    }
+
     /// Allocate for a caller that gives the block back by a token alone (a torch DataPtr's
     /// deleter): returns the address and the token for [`CachingAllocator::deallocate_token`].
     /// The block can also be freed by address ([`CachingAllocator::deallocate_ptr`]), more

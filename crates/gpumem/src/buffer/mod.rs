@@ -207,6 +207,34 @@ impl<T: Pod> DeviceBuffer<T> {
         })
     }
 
+    /// Buffers of `lens` elements each from `alloc` on `stream`, allocated in one call
+    /// ([`crate::CachingAllocator::allocate_batch`]: neighbouring blocks, at most one driver
+    /// call). Contents as with [`DeviceBuffer::alloc`].
+    pub fn alloc_batch(alloc: &Device, stream: Stream, lens: &[usize]) -> Result<Vec<Self>> {
+        let bytes = lens
+            .iter()
+            .map(|&l| bytes_of::<T>(l, crate::pool::size::MAX_REQUEST))
+            .collect::<Result<Vec<_>>>()?;
+        // empty buffers hold no block
+        let sized: Vec<usize> = bytes.iter().copied().filter(|&b| b > 0).collect();
+        let mut blocks = alloc.allocate_batch(stream, &sized, MAX_ALIGN)?.into_iter();
+        Ok(lens
+            .iter()
+            .zip(&bytes)
+            .map(|(&len, &b)| {
+                let block = if b == 0 { None } else { blocks.next() };
+                Self {
+                    alloc: alloc.clone(),
+                    ptr: block.as_ref().map_or(0, |b| b.ptr()),
+                    block,
+                    len,
+                    stream,
+                    _t: PhantomData,
+                }
+            })
+            .collect())
+    }
+
     /// `len` zeroed elements.
     pub fn zeroed(alloc: &Device, stream: Stream, len: usize) -> Result<Self> {
         let b = Self::alloc(alloc, stream, len)?;

@@ -193,7 +193,7 @@ impl CachingPool {
     }
 
     /// Split taken block `id` at exactly `size` bytes; the rest is a new taken block after it.
-    fn split_exact(&mut self, id: u32, size: u64) {
+    pub(super) fn split_exact(&mut self, id: u32, size: u64) {
         let b = &self.blocks[id as usize];
         debug_assert!(size < b.size);
         let rest = Block {

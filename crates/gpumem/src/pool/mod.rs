@@ -28,6 +28,7 @@
 //!   size rounding; `pinned.rs`: the pinned host pool's policy.
 
 mod arena;
+mod batch;
 mod checkpoint;
 mod classic;
 mod events;
