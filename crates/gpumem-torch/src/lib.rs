@@ -323,10 +323,6 @@ pub unsafe extern "C" fn gpumem_alloc_batch(
         match a.allocate_batch_ptr(Stream(stream as u64), sizes, 512) {
             Ok(v) => Some(v),
             Err(e) => {
-                state()
-                    .refused
-                    .failed_allocs
-                    .fetch_add(1, Ordering::Relaxed);
                 eprintln!("gpumem: batch of {n} allocations on device {device} failed: {e}");
                 None
             }

@@ -47,6 +47,8 @@ fn samples(name: &str) -> &'static [&'static str] {
         "expandable_slack" | "expandable_move_budget" => &["0", "0.002", "0.5"],
         "staging_chunk_kb" => &["4", "2048", "1048576"],
         "staging_min_kb" => &["0", "1024"],
+        "pressure_release" => &["0", "0.05", "0.5"],
+        "pressure_interval_ms" => &["0", "100", "60000"],
         other => panic!("no samples for {other}: add them"),
     }
 }

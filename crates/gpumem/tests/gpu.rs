@@ -3,6 +3,7 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use gpumem::resource::StreamOps;
 use gpumem::Device;
 use gpumem::{Config, DeviceBuffer, Error, Stream};
 use std::sync::Arc;
@@ -548,4 +549,104 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
         free_before >> 20,
         free_after >> 20
     );
+}
+
+/// Set in the child process of the next test: take this many MiB of device memory, say so,
+/// and hold it until stdin closes.
+const HOG_ENV: &str = "GPUMEM_TEST_HOG_MIB";
+
+fn hog(mib: u64) {
+    let ctx = gpumem::resource::cuda::primary_context(0).unwrap();
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: a plain device allocation, freed below; never touched.
+    let p = unsafe { cudarc::driver::result::malloc_sync((mib << 20) as usize) }.unwrap();
+    println!("hog ready");
+    use std::io::Read;
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    // SAFETY: allocated above, freed once.
+    unsafe { cudarc::driver::result::free_sync(p) }.unwrap();
+}
+
+/// Another process takes most of the device's free memory: gpumem notices at its next
+/// allocations (`pressure_release`) and gives its cached segments and idle pages back.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn another_process_taking_memory_gets_the_cache_back() {
+    if let Ok(mib) = std::env::var(HOG_ENV) {
+        hog(mib.parse().unwrap());
+        return;
+    }
+    let g = gpu();
+    let mem = || {
+        g.ctx.bind_to_thread().unwrap();
+        let (free, total) = cudarc::driver::result::mem_get_info().unwrap();
+        (free as u64, total as u64)
+    };
+    let a = Device::cuda(
+        0,
+        Config::parse("shards:1,pressure_release:0.2,pressure_interval_ms:0").unwrap(),
+    )
+    .unwrap();
+    let s = Stream::DEFAULT;
+    // 8 GiB cached
+    let blocks: Vec<_> = (0..8)
+        .map(|_| a.allocate(s, 1 << 30, 512).unwrap())
+        .collect();
+    for b in blocks {
+        a.deallocate(b).unwrap();
+    }
+    a.synchronize_device().unwrap();
+    let cached = a.stats().reserved_bytes.all.current;
+    assert!(cached >= 8 << 30);
+    let (free, total) = mem();
+    // the other process leaves a tenth of the device free
+    let take = (free - total / 10) >> 20;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "another_process_taking_memory_gets_the_cache_back",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(HOG_ENV, take.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::BufRead;
+    // kept open to the end: the child's test harness still writes its summary
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = out
+        .by_ref()
+        .map_while(|l| l.ok())
+        .any(|l| l.contains("hog ready"));
+    assert!(ready, "the other process could not take its memory");
+    let (free_now, _) = mem();
+    for _ in 0..600 {
+        let b = a.allocate(s, 4096, 512).unwrap();
+        a.deallocate(b).unwrap();
+    }
+    let st = a.stats();
+    let (free_after, _) = mem();
+    println!(
+        "cached {} MiB; another process took {take} MiB (free {} -> {} MiB); after gpumem's \
+         next allocations: {} release(s), reserved {} MiB, free {} MiB",
+        cached >> 20,
+        free >> 20,
+        free_now >> 20,
+        st.num_pressure_releases,
+        st.reserved_bytes.all.current >> 20,
+        free_after >> 20
+    );
+    drop(child.stdin.take()); // the other process lets go
+    out.for_each(drop);
+    assert!(child.wait().unwrap().success());
+    assert_eq!(st.num_pressure_releases, 1);
+    assert!(
+        st.reserved_bytes.all.current < 64 << 20,
+        "the cache went back"
+    );
+    assert!(free_after >= free_now + (7 << 30), "the device got it");
 }

@@ -17,6 +17,11 @@ pub struct Limit {
 }
 
 impl Limit {
+    /// The device's own free and total memory (every process counted), not the budget's view.
+    pub fn device_mem_info(&self) -> Result<MemInfo> {
+        self.inner.mem_info()
+    }
+
     /// Budget `limit` bytes over `inner`.
     pub fn new(inner: Arc<dyn Backend>, limit: u64) -> Self {
         Self {

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 mod ipc;
+mod pressure;
 mod private;
 pub use ipc::IpcExport;
 pub use private::PoolId;
@@ -50,6 +51,8 @@ struct Inner {
     private: Mutex<Vec<private::Private>>,
     /// how many private pools exist (read without the lock on the free path)
     private_count: AtomicUsize,
+    /// the watch on the device's free memory (`pressure_release`)
+    pressure: pressure::Pressure,
 }
 
 /// A block handed out by [`CachingAllocator::allocate`]. Give it back with
@@ -125,6 +128,7 @@ impl CachingAllocator {
                 accumulated_base: Mutex::new(None),
                 private: Mutex::new(Vec::new()),
                 private_count: AtomicUsize::new(0),
+                pressure: Default::default(),
             }),
         })
     }
@@ -182,6 +186,7 @@ impl CachingAllocator {
         align: usize,
         handout: Handout,
     ) -> Result<crate::pool::PoolAlloc> {
+        self.watch_pressure();
         let single = self.inner.shards.len() == 1;
         let r = self
             .shard(i)
@@ -396,6 +401,7 @@ impl CachingAllocator {
         }
         self.private_stats(&mut total);
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
+        total.num_pressure_releases = self.inner.pressure.releases.load(Ordering::Relaxed);
         total.expandable_slack_level =
             u64::from(self.inner.shared.churn_level.load(Ordering::Relaxed));
         if let Some(v) = self.inner.backend.virtual_memory() {

@@ -277,6 +277,26 @@ pub const KEYS: &[Key] = &[
         get: |c| c.pool.expandable_move_budget.to_string(),
     },
     Key {
+        name: "pressure_release",
+        value: "0 ≤ f < 1",
+        meaning: "release the cache (free segments, idle pages) when the device's free memory, other processes counted, falls below this fraction of its total and another process's use has grown (0 = never)",
+        set: |c, v| {
+            c.pool.pressure_release = fraction(v, |f| (0.0..1.0).contains(&f), "[0, 1)")?;
+            Ok(())
+        },
+        get: |c| c.pool.pressure_release.to_string(),
+    },
+    Key {
+        name: "pressure_interval_ms",
+        value: "milliseconds",
+        meaning: "how often at most the device's free memory is read for `pressure_release` (a driver call)",
+        set: |c, v| {
+            c.pool.pressure_interval_ms = int(v)?;
+            Ok(())
+        },
+        get: |c| c.pool.pressure_interval_ms.to_string(),
+    },
+    Key {
         name: "staging_threads",
         value: "`auto` or 1–64",
         meaning: "lanes of staged host copies (`auto`: one per core, at most 16)",

@@ -115,6 +115,11 @@ pub struct PoolConfig {
     pub expandable_slack: f64,
     /// Share of wall time page moves may take before the slack grows; 0 = no limit.
     pub expandable_move_budget: f64,
+    /// Release the cache when the device's free memory (every process counted) falls below
+    /// this fraction of its total and another process's use has grown; 0 = never.
+    pub pressure_release: f64,
+    /// How often (at most) the device's free memory is read for `pressure_release`, ms.
+    pub pressure_interval_ms: u64,
 }
 
 impl Default for PoolConfig {
@@ -128,6 +133,8 @@ impl Default for PoolConfig {
             expandable_segments: true,
             expandable_slack: 0.002,
             expandable_move_budget: 0.01,
+            pressure_release: 0.05,
+            pressure_interval_ms: 100,
         }
     }
 }

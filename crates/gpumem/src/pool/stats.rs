@@ -129,6 +129,9 @@ pub struct Stats {
     pub vmm_waits: u64,
     /// pages mapped with the memory of pages moved in stream order
     pub vmm_aliased: u64,
+    /// times the cache was released because other processes left the device short of free
+    /// memory (`pressure_release`), filled in by the allocator
+    pub num_pressure_releases: u64,
     /// bytes of physical pages the backend keeps unmapped for the next map (not in
     /// `reserved_bytes`)
     pub vmm_spare_bytes: u64,

@@ -25,6 +25,8 @@ struct SimState {
     next_addr: u64,
     next_va: u64,
     used: u64,
+    /// memory another process holds on the device
+    external: u64,
     live: FxHashMap<DevPtr, u64>,
     next_event: u64,
     /// pending events → the clock tick at which they complete (`u64::MAX`: when told)
@@ -146,6 +148,19 @@ impl SimulatedDevice {
         }
     }
 
+    /// Another process takes (or, with a smaller figure, gives back) memory on the device:
+    /// `bytes` in all from now on. It shows in the free memory and limits what this process
+    /// can allocate, as on a shared GPU.
+    pub fn set_external_usage(&self, bytes: u64) {
+        self.state.lock().external = bytes;
+    }
+
+    /// Free memory as `mem_info` reports it (other processes counted).
+    pub fn mem_info_free(&self) -> u64 {
+        let s = self.state.lock();
+        self.capacity.saturating_sub(s.used + s.external)
+    }
+
     /// What the device was asked to do so far.
     pub fn counters(&self) -> SimCounters {
         let s = self.state.lock();
@@ -182,7 +197,10 @@ impl Resource for SimulatedDevice {
         }
         let bytes = bytes as u64;
         let mut s = self.state.lock();
-        if s.used.checked_add(bytes).is_none_or(|u| u > self.capacity) {
+        if (s.used + s.external)
+            .checked_add(bytes)
+            .is_none_or(|u| u > self.capacity)
+        {
             return Err(Error::ResourceExhausted {
                 resource: "simulated".into(),
                 bytes,
@@ -215,7 +233,7 @@ impl Resource for SimulatedDevice {
     fn mem_info(&self) -> Result<MemInfo> {
         let s = self.state.lock();
         Ok(MemInfo {
-            free: self.capacity - s.used,
+            free: self.capacity.saturating_sub(s.used + s.external),
             total: self.capacity,
         })
     }
@@ -289,7 +307,10 @@ impl VirtualMemory for SimulatedDevice {
                 s.settling.clear();
             }
         }
-        if s.used.checked_add(bytes).is_none_or(|u| u > self.capacity) {
+        if (s.used + s.external)
+            .checked_add(bytes)
+            .is_none_or(|u| u > self.capacity)
+        {
             return Err(Error::ResourceExhausted {
                 resource: "simulated".into(),
                 bytes,
