@@ -49,6 +49,19 @@ enum Command {
         #[arg(long, value_parser = parse_lag)]
         gpu_lag: Option<u64>,
     },
+    /// Advice from a trace: replay a grid of configurations, print the one that reserves
+    /// least (its modelled driver time within 1% of the trace's wall time) with what it saves,
+    /// and the warm-up sizes that would turn the first step's misses into hits.
+    Advise {
+        /// Trace file (JSON Lines, gzip or plain, or a PyTorch snapshot pickle).
+        trace: std::path::PathBuf,
+        /// Extra configurations to try, as configuration strings (repeatable).
+        #[arg(long)]
+        conf: Vec<String>,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a synthetic trace of one workload kind (variable_seq_len, kv_cache_decode,
     /// mixed_tiny_huge, multi_stream, conv_training) as JSON Lines (gzip if the name ends in .gz).
     Synth {
@@ -162,6 +175,7 @@ fn main() -> ExitCode {
             device,
             gpu_lag,
         } => cmd::replay::run(&traces, &conf, json, device, gpu_lag.filter(|&n| n > 0)),
+        Command::Advise { trace, conf, json } => cmd::advise::run(&trace, &conf, json),
         Command::Synth {
             kind,
             output,

@@ -122,6 +122,42 @@ fn replay_prints_one_json_object_per_trace() {
     assert!(!ok && err.contains("/nonexistent.jsonl"), "{err}");
 }
 
+#[test]
+fn advise_names_the_best_configuration_and_the_warmup() {
+    let data = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../gpumem/tests/data/resnet50_train.jsonl.gz"
+    );
+    let (ok, out, err) = gpumem(&["advise", data, "--conf", "quick_cache:4", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let a = &v["advice"];
+    let candidates = a["candidates"].as_array().unwrap();
+    assert_eq!(candidates[0]["conf"], "");
+    assert_eq!(candidates.last().unwrap()["conf"], "quick_cache:4");
+    let best = a["best"].as_u64().unwrap() as usize;
+    let least = candidates
+        .iter()
+        .map(|c| c["report"]["peak_reserved_bytes"].as_u64().unwrap())
+        .min()
+        .unwrap();
+    assert_eq!(
+        candidates[best]["report"]["peak_reserved_bytes"].as_u64(),
+        Some(least)
+    );
+    assert!(a["warmup_misses"].as_u64().unwrap() > 0);
+    let (ok, out, err) = gpumem(&["advise", data]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("least memory") && out.contains("warm-up:"),
+        "{out}"
+    );
+    let (ok, _, err) = gpumem(&["advise", data, "--conf", "bogus:1"]);
+    assert!(!ok && err.contains("bogus"), "{err}");
+    let (ok, _, err) = gpumem(&["advise", "/nonexistent.jsonl"]);
+    assert!(!ok && err.contains("/nonexistent.jsonl"), "{err}");
+}
+
 fn tmp(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("gpumem-cli-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -1,5 +1,6 @@
 //! One module per command.
 
+pub mod advise;
 pub mod bench_alloc;
 pub mod bench_transfer;
 #[cfg(feature = "cuda")]

@@ -17,6 +17,7 @@ use std::path::Path;
 
 pub use crate::pool::record::{Action, TraceEvent};
 
+pub mod advise;
 mod replay;
 pub mod synthetic;
 
