@@ -207,15 +207,7 @@ pub unsafe extern "C" fn gpumem_alloc_checked(
     oom: *mut c_int,
 ) -> *mut c_void {
     let result = guard(Err((false, String::new())), || {
-        if size <= 0 {
-            return Err((false, format!("allocation of {size} bytes")));
-        }
-        let a = allocator(device).ok_or_else(|| {
-            (
-                false,
-                format!("device {device} could not be initialised (see the log)"),
-            )
-        })?;
+        let a = sized_allocator(size, device)?;
         a.allocate_ptr(Stream(stream as u64), size as usize, 512)
             .map_err(|e| (e.is_out_of_memory(), e.to_string()))
     });
@@ -240,18 +232,10 @@ pub unsafe extern "C" fn gpumem_alloc_token(
     token: *mut u64,
 ) -> *mut c_void {
     let result = guard(Err((false, String::new())), || {
-        if size <= 0 || !(0..=0xffff).contains(&device) {
-            return Err((
-                false,
-                format!("allocation of {size} bytes on device {device}"),
-            ));
+        if !(0..=0xffff).contains(&device) {
+            return Err((false, format!("allocation on device {device}")));
         }
-        let a = allocator(device).ok_or_else(|| {
-            (
-                false,
-                format!("device {device} could not be initialised (see the log)"),
-            )
-        })?;
+        let a = sized_allocator(size, device)?;
         a.allocate_token(Stream(stream as u64), size as usize, 512)
             .map(|(p, t)| {
                 // SAFETY: the caller's contract.
@@ -349,6 +333,23 @@ pub extern "C" fn gpumem_record_stream_token(token: u64, stream: *mut c_void) ->
             Ok(()) => 0,
             Err(_) => -1,
         }
+    })
+}
+
+/// The allocator of `device` for an allocation of `size` bytes, or why there is none (not out
+/// of memory).
+pub(crate) fn sized_allocator(
+    size: isize,
+    device: c_int,
+) -> Result<&'static CachingAllocator, (bool, String)> {
+    if size <= 0 {
+        return Err((false, format!("allocation of {size} bytes")));
+    }
+    allocator(device).ok_or_else(|| {
+        (
+            false,
+            format!("device {device} could not be initialised (see the log)"),
+        )
     })
 }
 

@@ -6,7 +6,9 @@
 //! Calls on a pool that does not exist or a device that cannot be used answer -1 (or null);
 //! nothing here panics across the ABI.
 
-use super::{allocator, checked_result, guard, made_allocator, segments_flat, state};
+use super::{
+    allocator, checked_result, guard, made_allocator, segments_flat, sized_allocator, state,
+};
 use gpumem::pool::Layout;
 use gpumem::{PoolId, Stream};
 use std::ffi::{c_char, c_int, c_void};
@@ -91,15 +93,7 @@ pub unsafe extern "C" fn gpumem_pool_alloc_checked(
     oom: *mut c_int,
 ) -> *mut c_void {
     let result = guard(Err((false, String::new())), || {
-        if size <= 0 {
-            return Err((false, format!("allocation of {size} bytes")));
-        }
-        let al = allocator(device).ok_or_else(|| {
-            (
-                false,
-                format!("device {device} could not be initialised (see the log)"),
-            )
-        })?;
+        let al = sized_allocator(size, device)?;
         al.allocate_in_pool(PoolId(a, b), Stream(stream as u64), size as usize, 512)
             .map_err(|e| (e.is_out_of_memory(), e.to_string()))
     });

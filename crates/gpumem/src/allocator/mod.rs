@@ -314,23 +314,24 @@ impl CachingAllocator {
     /// address. A token used twice is an error, never undefined behaviour.
     #[inline]
     pub fn deallocate_token(&self, token: u64) -> Result<DevPtr> {
-        let (i, generation, id) = ((token >> 40) as usize, (token >> 32) as u8, token as u32);
+        let (i, generation, id) = self.token_parts(token)?;
+        self.shard(i).free_by_id(id, generation)
+    }
+
+    /// (shard, hand-out count, slot) of a token of [`CachingAllocator::allocate_token`].
+    fn token_parts(&self, token: u64) -> Result<(usize, u8, u32)> {
+        let i = (token >> 40) as usize;
         if i >= self.inner.shards.len() {
             return Err(Error::InvalidArgument(format!(
                 "token {token:#x}: no such shard"
             )));
         }
-        self.shard(i).free_by_id(id, generation)
+        Ok((i, (token >> 32) as u8, token as u32))
     }
 
     /// [`CachingAllocator::record_stream`] for a block of [`CachingAllocator::allocate_token`].
     pub fn record_stream_token(&self, token: u64, stream: Stream) -> Result<()> {
-        let (i, generation, id) = ((token >> 40) as usize, (token >> 32) as u8, token as u32);
-        if i >= self.inner.shards.len() {
-            return Err(Error::InvalidArgument(format!(
-                "token {token:#x}: no such shard"
-            )));
-        }
+        let (i, generation, id) = self.token_parts(token)?;
         self.shard(i).record_stream_by_id(id, generation, stream)
     }
 

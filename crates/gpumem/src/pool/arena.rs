@@ -79,9 +79,18 @@ impl CachingPool {
         if !worth {
             return;
         }
+        self.split_exact(id, size);
+        let r = self.blocks[id as usize].next;
+        self.enter_free(r);
+    }
+
+    /// Split taken block `id` at exactly `size` bytes; the rest is a new taken block after it.
+    pub(super) fn split_exact(&mut self, id: u32, size: u64) {
+        let b = &self.blocks[id as usize];
+        debug_assert!(size < b.size);
         let rest = Block {
             addr: b.addr + size,
-            size: remaining,
+            size: b.size - size,
             requested: 0,
             rounded: 0,
             stream: b.stream,
@@ -102,7 +111,6 @@ impl CachingPool {
         let b = &mut self.blocks[id as usize];
         b.next = r;
         b.size = size;
-        self.enter_free(r);
     }
 
     /// Put a block that is neither free nor quick into its free set, coalescing neighbours.

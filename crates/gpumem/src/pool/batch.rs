@@ -90,35 +90,6 @@ impl CachingPool {
         }
         Ok(out)
     }
-
-    /// Mark taken block `id` handed out for a request of `req` bytes (rounded to `rounded`).
-    fn hand_out(
-        &mut self,
-        id: u32,
-        req: u64,
-        rounded: u64,
-        stream: Stream,
-        handout: Handout,
-    ) -> PoolAlloc {
-        let b = &mut self.blocks[id as usize];
-        b.state = State::Allocated;
-        b.requested = req;
-        b.rounded = rounded;
-        b.handout = handout;
-        b.generation = b.generation.wrapping_add(1);
-        let (addr, bsize, kind, generation) = (b.addr, b.size, b.kind, b.generation);
-        if handout == Handout::Address {
-            self.live.insert(addr, id);
-        }
-        self.stats.on_alloc(kind, bsize, req);
-        self.record(Action::Alloc, addr, req, stream);
-        PoolAlloc {
-            addr,
-            block_size: bsize,
-            id,
-            generation,
-        }
-    }
 }
 
 #[cfg(test)]

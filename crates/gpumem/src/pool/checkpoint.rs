@@ -191,33 +191,4 @@ impl CachingPool {
             allocated,
         })
     }
-
-    /// Split taken block `id` at exactly `size` bytes; the rest is a new taken block after it.
-    pub(super) fn split_exact(&mut self, id: u32, size: u64) {
-        let b = &self.blocks[id as usize];
-        debug_assert!(size < b.size);
-        let rest = Block {
-            addr: b.addr + size,
-            size: b.size - size,
-            requested: 0,
-            rounded: 0,
-            stream: b.stream,
-            segment: b.segment,
-            prev: id,
-            next: b.next,
-            state: State::Allocated,
-            kind: b.kind,
-            uses: None,
-            handout: Handout::Id,
-            generation: 0,
-        };
-        let next = b.next;
-        let r = self.new_block(rest);
-        if next != NIL {
-            self.blocks[next as usize].prev = r;
-        }
-        let b = &mut self.blocks[id as usize];
-        b.next = r;
-        b.size = size;
-    }
 }

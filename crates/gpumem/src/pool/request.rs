@@ -56,10 +56,23 @@ impl CachingPool {
                 }
             },
         };
+        Ok(self.hand_out(id, req, size, stream, handout))
+    }
+
+    /// Mark taken block `id` handed out for a request of `req` bytes (rounded to `rounded`).
+    #[inline]
+    pub(super) fn hand_out(
+        &mut self,
+        id: u32,
+        req: u64,
+        rounded: u64,
+        stream: Stream,
+        handout: Handout,
+    ) -> PoolAlloc {
         let b = &mut self.blocks[id as usize];
         b.state = State::Allocated;
         b.requested = req;
-        b.rounded = size;
+        b.rounded = rounded;
         b.handout = handout;
         b.generation = b.generation.wrapping_add(1);
         let (addr, bsize, kind, generation) = (b.addr, b.size, b.kind, b.generation);
@@ -68,12 +81,12 @@ impl CachingPool {
         }
         self.stats.on_alloc(kind, bsize, req);
         self.record(Action::Alloc, addr, req, stream);
-        Ok(PoolAlloc {
+        PoolAlloc {
             addr,
             block_size: bsize,
             id,
             generation,
-        })
+        }
     }
 
     /// Exact-size reuse of a recently freed block of the same stream.
