@@ -148,6 +148,35 @@ enum BenchWhat {
         #[arg(long)]
         peer: bool,
     },
+    /// The ring bridge's modes side by side: message round-trip latency and streaming
+    /// throughput, polled (a kernel polls rings in mapped pinned memory) against copies
+    /// (flush, kernel launch, copy back). Host backend: a host thread plays the device.
+    Ring {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Round trips timed one by one (1 to 10,000,000).
+        #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+        round_trips: u64,
+        /// Messages streamed (1 to 1,000,000,000).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
+        messages: u64,
+        /// Slots per ring (1 to 1,048,576).
+        #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+        capacity: u64,
+        /// Poll interval in microseconds (0: spin), 0 to 100,000.
+        #[arg(long, default_value_t = 0.0)]
+        poll_us: f64,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// Force the host backend even where a GPU is present.
+        #[arg(long)]
+        host: bool,
+        /// gpumem configuration (as GPUMEM_CONF).
+        #[arg(long)]
+        conf: Option<String>,
+    },
     /// Unified memory on the GPU: a kernel over automatically prefetched unified buffers
     /// (managed and mirrored) against device memory and raw managed memory, and the speed of
     /// moving their data each way against pinned memcpy.
@@ -224,6 +253,34 @@ fn main() -> ExitCode {
                 cmd::bench_transfer::run_peer(json, max_mib as usize)
             } else {
                 cmd::bench_transfer::run(json, max_mib as usize, device, host, conf)
+            }
+        }
+        Command::Bench {
+            what:
+                BenchWhat::Ring {
+                    json,
+                    round_trips,
+                    messages,
+                    capacity,
+                    poll_us,
+                    device,
+                    host,
+                    conf,
+                },
+        } => {
+            if !(0.0..=100_000.0).contains(&poll_us) {
+                Err(format!("--poll-us {poll_us}: expected 0 to 100000 microseconds").into())
+            } else {
+                cmd::bench_ring::run(cmd::bench_ring::RingArgs {
+                    json,
+                    round_trips,
+                    messages,
+                    capacity: capacity as usize,
+                    poll_us,
+                    device,
+                    host,
+                    conf,
+                })
             }
         }
         Command::Bench {

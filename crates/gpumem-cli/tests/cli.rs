@@ -23,11 +23,46 @@ fn info_describes_the_backend() {
         text.contains("host backend") || text.contains("device 0:"),
         "{text}"
     );
+    assert!(text.contains("memory visibility"), "{text}");
     let (ok, json, _) = gpumem(&["info", "--json"]);
     assert!(ok);
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert!(v["backend"] == "host" || v["backend"] == "cuda");
     assert!(v["devices"].is_array());
+    assert!(["Linux", "Wsl2", "Windows", "Other"].contains(&v["platform"].as_str().unwrap()));
+    for d in v["devices"].as_array().unwrap() {
+        assert!(d["visibility"].is_string(), "{d}");
+    }
+}
+
+#[test]
+fn bench_ring_compares_polled_and_copies() {
+    let (ok, json, err) = gpumem(&[
+        "bench",
+        "ring",
+        "--json",
+        "--host",
+        "--round-trips",
+        "200",
+        "--messages",
+        "5000",
+        "--capacity",
+        "64",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows[0]["mode"].as_str().unwrap().starts_with("polled"));
+    assert_eq!(rows[0]["copies"], 0, "polled mode copies nothing");
+    assert_eq!(rows[1]["mode"], "copies");
+    assert!(rows[1]["copies"].as_u64().unwrap() >= 2 * 5000 / 64);
+    for r in rows {
+        assert!(r["latency_median_us"].as_f64().unwrap() > 0.0);
+        assert!(r["messages_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let (ok, _, err) = gpumem(&["bench", "ring", "--host", "--poll-us=-1"]);
+    assert!(!ok && err.contains("poll"), "{err}");
 }
 
 #[test]

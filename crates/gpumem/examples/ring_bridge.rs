@@ -53,9 +53,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some((st, f)) = &cuda {
             use cudarc::driver::{LaunchConfig, PushKernelArg};
             let (c, in0, out0) = (cap as u64, flushed.start, out.start);
-            let outbox = ring.outbox_device().device_ptr();
+            let outbox = ring.outbox_device()?.device_ptr();
             let mut b = st.launch_builder(f);
-            b.arg(ring.inbox_device_mut())
+            b.arg(ring.inbox_device_mut()?)
                 .arg(&outbox)
                 .arg(&c)
                 .arg(&in0)
@@ -65,9 +65,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             unsafe { b.launch(LaunchConfig::for_num_elems(n as u32)) }?;
         }
         if !gpu {
-            let all = ring.outbox_device().to_vec()?;
+            let all = ring.outbox_device()?.to_vec()?;
             for (i, o) in flushed.zip(out) {
-                ring.inbox_device_mut()
+                ring.inbox_device_mut()?
                     .set((o % cap as u64) as usize, all[(i % cap as u64) as usize])?;
             }
         }

@@ -170,6 +170,14 @@ pub enum Error {
     /// A call that is not valid in the current state (a page mapped twice, a second counter).
     #[error("invalid state: {0}")]
     InvalidState(String),
+    /// A wait that gave up: the other side (a kernel polling a ring) did not answer in time.
+    #[error("timed out after {waited:?} waiting for {what}")]
+    Timeout {
+        /// what was awaited
+        what: String,
+        /// how long
+        waited: std::time::Duration,
+    },
 }
 
 impl Error {

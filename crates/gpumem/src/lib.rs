@@ -61,4 +61,5 @@ pub use error::{Error, OomReport, Result};
 pub use pool::pinned::{PinnedPool, PinnedStats};
 pub use pool::stats::Stats;
 pub use resource::info::DeviceInfo;
+pub use resource::visibility::{MemoryVisibility, Platform};
 pub use resource::{Advice, Backend, DevPtr, Location, MemPlace, Resource, Stream, StreamOps};

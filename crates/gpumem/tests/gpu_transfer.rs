@@ -3,7 +3,7 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use gpumem::buffer::ring::RingBridge;
+use gpumem::buffer::ring::{RingBridge, RingMode, POLLED_ECHO_CUDA, POLLED_RING_CUDA};
 use gpumem::Device;
 use gpumem::{
     Config, DeviceBuffer, PinnedBuffer, PinnedHost, PinnedRegistration, Stream, Transfer,
@@ -36,6 +36,7 @@ struct Gpu {
     slow_fill: CudaFunction,
     spin: CudaFunction,
     echo: CudaFunction,
+    echo_polled: CudaFunction,
 }
 
 fn gpu() -> Gpu {
@@ -45,12 +46,19 @@ fn gpu() -> Gpu {
     );
     let ctx = gpumem::resource::cuda::primary_context(0).unwrap();
     let m = ctx
-        .load_module(cudarc::nvrtc::compile_ptx(format!("{KERNELS}{}", msg::ECHO_KERNEL)).unwrap())
+        .load_module(
+            cudarc::nvrtc::compile_ptx(format!(
+                "{KERNELS}{}{POLLED_RING_CUDA}{POLLED_ECHO_CUDA}",
+                msg::ECHO_KERNEL
+            ))
+            .unwrap(),
+        )
         .unwrap();
     Gpu {
         slow_fill: m.load_function("slow_fill").unwrap(),
         spin: m.load_function("spin").unwrap(),
         echo: m.load_function("echo").unwrap(),
+        echo_polled: m.load_function("echo_polled").unwrap(),
         ctx,
     }
 }
@@ -243,8 +251,8 @@ fn ring_bridge_round_trips_through_a_kernel_in_order() {
             out.start,
             flushed.end - flushed.start,
         );
-        let outbox = ring.outbox_device().device_ptr();
-        let inbox = ring.inbox_device_mut();
+        let outbox = ring.outbox_device().unwrap().device_ptr();
+        let inbox = ring.inbox_device_mut().unwrap();
         let mut b = st.launch_builder(&g.echo);
         b.arg(inbox)
             .arg(&outbox)
@@ -265,4 +273,77 @@ fn ring_bridge_round_trips_through_a_kernel_in_order() {
     let c = ring.counters();
     assert_eq!((c.messages_to_device, c.messages_to_host), (sent, sent));
     println!("ring bridge: {c:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn polled_ring_round_trips_through_a_running_kernel_without_copies() {
+    let g = gpu();
+    let st = g.ctx.new_stream().unwrap();
+    let s = Stream::from(&*st);
+    let a = alloc();
+    assert!(
+        a.visibility().polled_host_memory(),
+        "this machine's GPU should let kernels poll host memory: {:?}",
+        a.visibility()
+    );
+    let cap = 64usize;
+    // Auto picks the polled mode on this platform
+    let mut ring = RingBridge::<Msg>::with_mode(&a, s, cap, RingMode::Auto).unwrap();
+    assert!(
+        matches!(ring.mode(), RingMode::Polled { .. }),
+        "{:?}",
+        ring.mode()
+    );
+    let p = ring.polled_args().unwrap();
+    let mut b = st.launch_builder(&g.echo_polled);
+    b.arg(&p.ctrl)
+        .arg(&p.to_device)
+        .arg(&p.to_host)
+        .arg(&p.capacity)
+        .arg(&p.message_bytes)
+        .arg(&p.poll_ns);
+    let one = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the rings hold `capacity` messages of `message_bytes` in mapped pinned memory
+    // that outlives the kernel (the bridge's close waits for it to return).
+    unsafe { b.launch(one) }.unwrap();
+    let t = std::time::Instant::now();
+    while !ring.device_attached() {
+        assert!(
+            t.elapsed().as_secs() < 10,
+            "the polling kernel never attached"
+        );
+        std::thread::yield_now();
+    }
+    let (mut sent, mut got) = (0u64, 0u64);
+    for round in 0..2000u64 {
+        let burst = 1 + (round * 29) % cap as u64;
+        for _ in 0..burst {
+            if sent - got == cap as u64 {
+                for m in ring.receive_at_least(1).unwrap() {
+                    assert!(m.intact() && m == Msg::new(got), "message {got}");
+                    got += 1;
+                }
+            }
+            ring.send(Msg::new(sent)).unwrap();
+            sent += 1;
+        }
+        while got < sent {
+            for m in ring.receive_at_least(1).unwrap() {
+                assert!(m.intact(), "message {got} corrupted");
+                assert_eq!(m, Msg::new(got), "message {got}");
+                got += 1;
+            }
+        }
+    }
+    ring.close().unwrap();
+    st.synchronize().unwrap();
+    let c = ring.counters();
+    assert_eq!(c.copies, 0, "no copies in polled mode");
+    assert_eq!((c.messages_to_device, c.messages_to_host), (sent, sent));
+    println!("polled ring: {sent} messages through a running kernel; {c:?}");
 }

@@ -1,7 +1,7 @@
 //! Pinned memory, the transfer engine and the ring bridge on the host backend (CI); the same
 //! paths run on a GPU in tests/gpu.rs.
 
-use gpumem::buffer::ring::RingBridge;
+use gpumem::buffer::ring::{ctrl, RingBridge, RingMode};
 use gpumem::pool::pinned::{size_class, PinnedPool};
 use gpumem::resource::sim::SimulatedDevice;
 use gpumem::resource::StreamOps;
@@ -168,11 +168,14 @@ fn ring_bridge_keeps_order_and_integrity() {
         let flushed = ring.flush_to_device().unwrap();
         // "device": echo the flushed messages into the inbox ring, in slot order
         let cap = ring.capacity() as u64;
-        let out = ring.outbox_device().to_vec().unwrap();
+        let out = ring.outbox_device().unwrap().to_vec().unwrap();
         let msgs: Vec<Msg> = flushed.clone().map(|s| out[(s % cap) as usize]).collect();
         let seqs = ring.next_device_seqs(msgs.len() as u64);
         for (s, m) in seqs.zip(&msgs) {
-            ring.inbox_device_mut().set((s % cap) as usize, *m).unwrap();
+            ring.inbox_device_mut()
+                .unwrap()
+                .set((s % cap) as usize, *m)
+                .unwrap();
         }
         ring.publish(msgs.len() as u64).unwrap();
         for m in ring.receive().unwrap() {
@@ -203,6 +206,156 @@ fn ring_send_past_capacity_flushes_itself() {
     assert_eq!(ring.counters().messages_to_device, 16);
     assert_eq!(ring.flush_to_device().unwrap(), 16..20);
     assert!(RingBridge::<Msg>::new(&alloc, Stream::DEFAULT, 0).is_err());
+}
+
+fn polled(alloc: &Device, cap: usize) -> RingBridge<Msg> {
+    let mode = RingMode::Polled {
+        poll: std::time::Duration::ZERO,
+    };
+    RingBridge::<Msg>::with_mode(alloc, Stream::DEFAULT, cap, mode).unwrap()
+}
+
+#[test]
+fn polled_ring_round_trips_through_a_polling_device_without_copies() {
+    let alloc = host();
+    let cap = 16usize;
+    let mut ring = polled(&alloc, cap);
+    assert!(matches!(ring.mode(), RingMode::Polled { .. }));
+    let args = ring.polled_args().unwrap();
+    assert_eq!((args.capacity, args.message_bytes), (16, 128));
+    let device = std::thread::spawn(move || gpumem::buffer::ring::echo_on_host(args));
+    while !ring.device_attached() {
+        std::thread::yield_now();
+    }
+    let (mut sent, mut got) = (0u64, 0u64);
+    // bursts of up to twice the ring (sends wait for the device to free slots), and single
+    // round trips
+    for round in 0..400u64 {
+        let burst = 1 + (round * 13) % (2 * cap as u64);
+        for _ in 0..burst {
+            if sent - got == cap as u64 {
+                // replies fill the return ring: take them before sending more
+                for m in ring.receive_at_least(1).unwrap() {
+                    assert!(m.intact() && m == Msg::new(got), "message {got}");
+                    got += 1;
+                }
+            }
+            ring.send(Msg::new(sent)).unwrap();
+            sent += 1;
+        }
+        while got < sent {
+            for m in ring.receive_at_least(1).unwrap() {
+                assert!(m.intact(), "message {got} corrupted");
+                assert_eq!(m, Msg::new(got), "out of order");
+                got += 1;
+            }
+        }
+    }
+    assert_eq!(
+        ring.flush_to_device().unwrap().end,
+        sent,
+        "no copy, just the range"
+    );
+    ring.close().unwrap();
+    assert_eq!(device.join().unwrap(), sent);
+    assert!(!ring.device_attached());
+    let c = ring.counters();
+    assert_eq!(c.copies, 0, "polled mode issues no copies");
+    assert_eq!((c.messages_to_device, c.messages_to_host), (sent, sent));
+    assert_eq!(c.bytes_to_host, sent * 128);
+}
+
+#[test]
+fn polled_ring_without_a_device_times_out_and_stays_usable() {
+    let alloc = host();
+    let mut ring = polled(&alloc, 4);
+    ring.set_timeout(std::time::Duration::from_millis(30));
+    for s in 0..4 {
+        ring.send(Msg::new(s)).unwrap();
+    }
+    // full, and nobody consumes: a timeout, not a hang
+    let e = ring.send(Msg::new(4)).unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    let e = ring.receive_at_least(1).unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(ring.receive().unwrap().is_empty());
+    assert!(ring.counters().empty_polls > 0);
+    // what copy mode has and polled mode does not: clear errors
+    assert!(ring.publish(1).is_err());
+    assert!(ring.outbox_device().is_err());
+    assert!(ring.inbox_device_mut().is_err());
+    // a device attaches late and drains the ring: the blocked send goes through
+    let args = ring.polled_args().unwrap();
+    let device = std::thread::spawn(move || gpumem::buffer::ring::echo_on_host(args));
+    ring.set_timeout(std::time::Duration::from_secs(10));
+    ring.send(Msg::new(4)).unwrap();
+    let mut got = Vec::new();
+    while got.len() < 5 {
+        got.extend(ring.receive_at_least(1).unwrap());
+    }
+    assert_eq!(got, (0..5).map(Msg::new).collect::<Vec<_>>());
+    drop(ring); // closes: the device returns
+    assert_eq!(device.join().unwrap(), 5);
+}
+
+#[test]
+fn a_polled_ring_dropped_under_a_kernel_that_never_returns_does_not_hang() {
+    let alloc = host();
+    let mut ring = polled(&alloc, 4);
+    ring.set_timeout(std::time::Duration::from_millis(20));
+    let args = ring.polled_args().unwrap();
+    // a "kernel" that attached and then hung
+    // SAFETY: the control block holds ctrl::WORDS words; the ring's memory is leaked by the
+    // drop below (a kernel is attached), so the store is never to freed memory.
+    unsafe {
+        (*(args.ctrl as *const std::sync::atomic::AtomicU64).add(ctrl::DEVICE_STATE))
+            .store(1, std::sync::atomic::Ordering::Release)
+    };
+    assert!(ring.device_attached());
+    assert!(matches!(ring.close(), Err(Error::Timeout { .. })));
+    drop(ring); // logs, leaks the rings, returns
+    let again = polled(&alloc, 4); // the allocator is still usable
+    assert!(!again.device_attached());
+}
+
+#[test]
+fn ring_modes_follow_the_devices_visibility() {
+    let alloc = host();
+    // the host backend models a device with memory of its own: Auto copies
+    let r = RingBridge::<Msg>::with_mode(&alloc, Stream::DEFAULT, 8, RingMode::Auto).unwrap();
+    assert_eq!(r.mode(), RingMode::Copies);
+    assert!(r.polled_args().is_none());
+    let p = RingMode::Polled {
+        poll: std::time::Duration::from_micros(5),
+    };
+    let spin = RingMode::Polled {
+        poll: gpumem::buffer::ring::DEFAULT_POLL,
+    };
+    assert_eq!(RingMode::Auto.resolve(true), Ok(spin));
+    assert_eq!(RingMode::Auto.resolve(false), Ok(RingMode::Copies));
+    assert_eq!(p.resolve(true), Ok(p));
+    let e = p.resolve(false).unwrap_err();
+    assert!(e.contains("kernel boundaries"), "{e}");
+    // on a GPU platform that settles only at kernel boundaries (WSL2), Auto copies
+    use gpumem::resource::visibility::{MemoryVisibility, Platform, VisibilityCaps};
+    let caps = VisibilityCaps {
+        managed_memory: true,
+        concurrent_managed_access: true,
+        can_map_host_memory: true,
+        ..VisibilityCaps::default()
+    };
+    for (platform, want) in [
+        (Platform::Linux, spin),
+        (Platform::Wsl2, RingMode::Copies),
+        (Platform::Windows, RingMode::Copies),
+    ] {
+        let v = MemoryVisibility::classify(caps, platform);
+        assert_eq!(
+            RingMode::Auto.resolve(v.polled_host_memory()),
+            Ok(want),
+            "{platform:?}"
+        );
+    }
 }
 
 #[derive(Debug, Clone)]

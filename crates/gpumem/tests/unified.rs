@@ -40,6 +40,38 @@ fn host_backend_picks_the_mirrored_placement() {
 }
 
 #[test]
+fn auto_placement_follows_each_platforms_visibility() {
+    use gpumem::resource::visibility::{MemoryVisibility, Platform, VisibilityCaps};
+    // an H100-like discrete GPU, on each platform
+    let caps = VisibilityCaps {
+        managed_memory: true,
+        concurrent_managed_access: true,
+        can_map_host_memory: true,
+        ..VisibilityCaps::default()
+    };
+    let on = |p| MemoryVisibility::classify(caps, p);
+    assert_eq!(
+        Placement::Auto.resolve(on(Platform::Linux)),
+        Ok(Placement::Managed)
+    );
+    for p in [Platform::Wsl2, Platform::Windows] {
+        assert_eq!(Placement::Auto.resolve(on(p)), Ok(Placement::Mirrored));
+        let e = Placement::Managed.resolve(on(p)).unwrap_err();
+        assert!(e.contains("kernel boundaries"), "{e}");
+        assert_eq!(Placement::Mirrored.resolve(on(p)), Ok(Placement::Mirrored));
+    }
+    let none = MemoryVisibility::classify(VisibilityCaps::default(), Platform::Linux);
+    assert_eq!(Placement::Auto.resolve(none), Ok(Placement::Mirrored));
+    assert!(Placement::Managed
+        .resolve(none)
+        .unwrap_err()
+        .contains("only through copies"));
+    // the host backend models a device with memory of its own
+    let alloc = Device::host(Config::default()).unwrap();
+    assert_eq!(alloc.visibility(), MemoryVisibility::ExplicitCopies);
+}
+
+#[test]
 fn cpu_write_then_device_read() {
     let m = mem();
     let s = Stream::DEFAULT;

@@ -9,6 +9,8 @@ use serde::Serialize;
 #[derive(Serialize)]
 struct InfoOut {
     backend: &'static str,
+    /// the operating system under the driver (WSL2 detected from the kernel release)
+    platform: gpumem::Platform,
     devices: Vec<DeviceInfo>,
     host_memory: gpumem::resource::MemInfo,
     /// every configuration key with its value in force, in the configuration string's units
@@ -22,6 +24,7 @@ pub fn run(json: bool) -> Result<()> {
     let config = Config::from_env()?;
     let out = InfoOut {
         backend: if devices.is_empty() { "host" } else { "cuda" },
+        platform: gpumem::Platform::detect(),
         host_memory: gpumem::resource::host::host_mem_info(),
         config: config
             .entries()
@@ -38,6 +41,11 @@ pub fn run(json: bool) -> Result<()> {
     println!("gpumem {}", env!("CARGO_PKG_VERSION"));
     if out.devices.is_empty() {
         println!("No CUDA GPU found (no driver library, or no device): using the host backend.");
+        println!(
+            "platform: {:?}; memory visibility: {} (the host backend)",
+            out.platform,
+            gpumem::MemoryVisibility::ExplicitCopies.describe()
+        );
         println!(
             "host memory: {} free of {}",
             human(out.host_memory.free),
@@ -76,6 +84,16 @@ pub fn run(json: bool) -> Result<()> {
         );
         println!("  memory pools                {}", yn(d.memory_pools));
         println!("  unified addressing          {}", yn(d.unified_addressing));
+        println!(
+            "  host-native atomics         {}",
+            yn(d.host_native_atomics)
+        );
+        println!(
+            "  mapped pinned memory        {}",
+            yn(d.can_map_host_memory)
+        );
+        println!("  platform                    {:?}", d.platform);
+        println!("  memory visibility           {}", d.visibility.describe());
         let peers: Vec<String> = d.peer_access.iter().map(|p| p.to_string()).collect();
         println!(
             "  peer access to              {}",

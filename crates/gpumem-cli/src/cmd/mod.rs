@@ -2,6 +2,7 @@
 
 pub mod advise;
 pub mod bench_alloc;
+pub mod bench_ring;
 pub mod bench_transfer;
 #[cfg(feature = "cuda")]
 pub mod bench_unified;

@@ -21,9 +21,9 @@ use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 pub use crate::device::ManagedOptions;
 use crate::error::{Error, Result};
+use crate::resource::visibility::MemoryVisibility;
 use crate::resource::{
-    stream_after, Advice, CopyKind, DevPtr, Location, ManagedMemory, MemPlace, Resource, Stream,
-    StreamOps,
+    stream_after, Advice, CopyKind, DevPtr, ManagedMemory, MemPlace, Stream, StreamOps,
 };
 use bytemuck::Pod;
 use serde::Serialize;
@@ -78,14 +78,25 @@ impl std::fmt::Debug for UnifiedMemory {
     }
 }
 
-/// True where device `ordinal` has managed memory that host and device may touch concurrently.
-fn concurrent_managed(location: Location) -> bool {
-    match location {
-        Location::Cuda(ordinal) => crate::device::devices()
-            .ok()
-            .and_then(|d| d.into_iter().find(|i| i.ordinal == ordinal))
-            .is_some_and(|i| i.managed_memory && i.concurrent_managed_access),
-        _ => false,
+impl Placement {
+    /// The placement this one means on a device with `visibility`: `Auto` is managed memory
+    /// where host and device share it while kernels run, mirrored elsewhere; `Managed` where
+    /// managed memory settles only at kernel boundaries (Windows, WSL2, older GPUs) or is
+    /// missing is refused with the reason.
+    pub fn resolve(self, visibility: MemoryVisibility) -> std::result::Result<Placement, String> {
+        match self {
+            Placement::Auto if visibility.concurrent_managed() => Ok(Placement::Managed),
+            Placement::Auto => Ok(Placement::Mirrored),
+            Placement::Managed if !visibility.concurrent_managed() => Err(format!(
+                "managed memory with concurrent access (this device's memory is visible {}; \
+                 use Placement::Mirrored)",
+                match visibility {
+                    MemoryVisibility::KernelBoundary => "only at kernel boundaries",
+                    _ => "only through copies",
+                }
+            )),
+            p => Ok(p),
+        }
     }
 }
 
@@ -104,18 +115,13 @@ impl UnifiedMemory {
         placement: Placement,
         options: ManagedOptions,
     ) -> Result<Self> {
-        let location = device.location();
-        let resolved = match placement {
-            Placement::Auto if concurrent_managed(location) => Placement::Managed,
-            Placement::Auto => Placement::Mirrored,
-            Placement::Managed if !concurrent_managed(location) => {
-                return Err(Error::Unsupported {
+        let resolved =
+            placement
+                .resolve(device.visibility())
+                .map_err(|what| Error::Unsupported {
                     backend: device.backend().name().to_string(),
-                    what: "managed memory with concurrent access (use Placement::Mirrored)".into(),
-                })
-            }
-            p => p,
-        };
+                    what,
+                })?;
         let managed = match resolved {
             Placement::Managed => {
                 let p = device.managed_pool(options)?;

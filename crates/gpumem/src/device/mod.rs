@@ -101,6 +101,15 @@ impl Device {
         Self::host(config)
     }
 
+    /// Whether the host and this device see each other's writes (explicit copies only on the
+    /// host and simulated backends, which model a device with memory of its own).
+    pub fn visibility(&self) -> crate::resource::visibility::MemoryVisibility {
+        match self.backend().location() {
+            Location::Cuda(ordinal) => crate::resource::info::visibility(ordinal),
+            _ => crate::resource::visibility::MemoryVisibility::ExplicitCopies,
+        }
+    }
+
     /// The caching allocator.
     pub fn allocator(&self) -> &CachingAllocator {
         &self.inner.allocator

@@ -1,6 +1,7 @@
 //! Device capabilities (what `gpumem info` prints and what later layers decide on): the
 //! queries behind them live with the backend (`cuda::query`).
 
+use super::visibility::{MemoryVisibility, Platform, VisibilityCaps};
 use serde::Serialize;
 
 /// One CUDA device and the attributes gpumem's features depend on.
@@ -24,6 +25,12 @@ pub struct DeviceInfo {
     pub concurrent_managed_access: bool,
     /// the GPU can access pageable host memory
     pub pageable_memory_access: bool,
+    /// ... through the host's page tables (ATS)
+    pub pageable_uses_host_page_tables: bool,
+    /// atomics between host and device are native to the interconnect (NVLink-C2C)
+    pub host_native_atomics: bool,
+    /// pinned host memory can be mapped into the device's address space
+    pub can_map_host_memory: bool,
     /// cuMemCreate/cuMemMap (virtual-memory segments)
     pub virtual_memory_management: bool,
     /// cuMemPool* / cuMemAllocAsync
@@ -34,6 +41,37 @@ pub struct DeviceInfo {
     pub peer_access: Vec<usize>,
     /// CUDA driver version, e.g. 13000
     pub driver_version: i32,
+    /// the operating system under the driver
+    pub platform: Platform,
+    /// whether host and device see each other's writes (from the attributes and platform)
+    pub visibility: MemoryVisibility,
+}
+
+impl DeviceInfo {
+    /// The attributes memory visibility is decided from.
+    pub fn visibility_caps(&self) -> VisibilityCaps {
+        VisibilityCaps {
+            managed_memory: self.managed_memory,
+            concurrent_managed_access: self.concurrent_managed_access,
+            pageable_memory_access: self.pageable_memory_access,
+            pageable_uses_host_page_tables: self.pageable_uses_host_page_tables,
+            host_native_atomics: self.host_native_atomics,
+            can_map_host_memory: self.can_map_host_memory,
+        }
+    }
+}
+
+/// The memory visibility of device `ordinal` (a few attribute queries, no context work), or
+/// [`MemoryVisibility::ExplicitCopies`] where there is no such CUDA device.
+pub fn visibility(ordinal: usize) -> MemoryVisibility {
+    #[cfg(feature = "cuda")]
+    {
+        if ordinal < device_count() {
+            return super::cuda::query::visibility(ordinal);
+        }
+    }
+    let _ = ordinal;
+    MemoryVisibility::ExplicitCopies
 }
 
 /// True where a CUDA driver is loadable, initialises, and sees at least one device.

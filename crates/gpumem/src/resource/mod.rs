@@ -16,6 +16,7 @@ pub mod host;
 pub mod info;
 mod registry;
 pub mod sim;
+pub mod visibility;
 
 pub(crate) use forward::{forward_resource_passthrough, forward_stream_ops};
 

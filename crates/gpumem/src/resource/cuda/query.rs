@@ -2,6 +2,7 @@
 
 use super::{cuda_err, primary_context};
 use crate::resource::info::DeviceInfo;
+use crate::resource::visibility::{MemoryVisibility, Platform, VisibilityCaps};
 use cudarc::driver::{result, sys};
 
 pub(crate) fn count() -> usize {
@@ -30,6 +31,29 @@ fn attr(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> i32 {
     unsafe { result::device::get_attribute(dev, a) }.unwrap_or(0)
 }
 
+fn caps(dev: sys::CUdevice) -> VisibilityCaps {
+    use sys::CUdevice_attribute as A;
+    let on = |a| attr(dev, a) != 0;
+    VisibilityCaps {
+        managed_memory: on(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY),
+        concurrent_managed_access: on(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS),
+        pageable_memory_access: on(A::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS),
+        pageable_uses_host_page_tables: on(
+            A::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES,
+        ),
+        host_native_atomics: on(A::CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED),
+        can_map_host_memory: on(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY),
+    }
+}
+
+/// Device `ordinal`'s memory visibility on this platform (attribute queries only).
+pub(crate) fn visibility(ordinal: usize) -> MemoryVisibility {
+    match result::device::get(ordinal as i32) {
+        Ok(dev) => MemoryVisibility::classify(caps(dev), Platform::detect()),
+        Err(_) => MemoryVisibility::ExplicitCopies,
+    }
+}
+
 pub(crate) fn info(ordinal: usize) -> crate::Result<DeviceInfo> {
     use sys::CUdevice_attribute as A;
     let dev = result::device::get(ordinal as i32).map_err(|e| cuda_err("cuDeviceGet", e))?;
@@ -49,6 +73,8 @@ pub(crate) fn info(ordinal: usize) -> crate::Result<DeviceInfo> {
             }
         }
     }
+    let caps = caps(dev);
+    let platform = Platform::detect();
     let mut driver_version = 0i32;
     // SAFETY: writes one int.
     let _ = unsafe { sys::cuDriverGetVersion(&mut driver_version) };
@@ -62,9 +88,12 @@ pub(crate) fn info(ordinal: usize) -> crate::Result<DeviceInfo> {
         total_memory: total as u64,
         free_memory: free as u64,
         multiprocessors: attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-        managed_memory: attr(dev, A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY) != 0,
-        concurrent_managed_access: attr(dev, A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS) != 0,
-        pageable_memory_access: attr(dev, A::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS) != 0,
+        managed_memory: caps.managed_memory,
+        concurrent_managed_access: caps.concurrent_managed_access,
+        pageable_memory_access: caps.pageable_memory_access,
+        pageable_uses_host_page_tables: caps.pageable_uses_host_page_tables,
+        host_native_atomics: caps.host_native_atomics,
+        can_map_host_memory: caps.can_map_host_memory,
         virtual_memory_management: attr(
             dev,
             A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
@@ -73,5 +102,7 @@ pub(crate) fn info(ordinal: usize) -> crate::Result<DeviceInfo> {
         unified_addressing: attr(dev, A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) != 0,
         peer_access: peers,
         driver_version,
+        platform,
+        visibility: MemoryVisibility::classify(caps, platform),
     })
 }
