@@ -305,7 +305,7 @@ fn polled_ring_round_trips_through_a_running_kernel_without_copies() {
         .arg(&p.poll_ns);
     let one = LaunchConfig {
         grid_dim: (1, 1, 1),
-        block_dim: (32, 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the rings hold `capacity` messages of `message_bytes` in mapped pinned memory

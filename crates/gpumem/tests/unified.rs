@@ -72,6 +72,19 @@ fn auto_placement_follows_each_platforms_visibility() {
 }
 
 #[test]
+fn views_for_another_device_need_the_managed_placement() {
+    let m = mem();
+    let mut b = UnifiedBuffer::from_slice(&m, Stream::DEFAULT, &[1u32, 2, 3]).unwrap();
+    for d in [0, 1] {
+        let e = b.device_on(d, Stream::DEFAULT).unwrap_err();
+        assert!(e.to_string().contains("mirrored"), "{e}");
+    }
+    assert!(b.shared_with().is_empty());
+    // the buffer is still usable
+    assert_eq!(&*b.host().unwrap(), &[1, 2, 3]);
+}
+
+#[test]
 fn cpu_write_then_device_read() {
     let m = mem();
     let s = Stream::DEFAULT;

@@ -359,7 +359,7 @@ extern "C" __global__ void echo_words(unsigned int* inbox, const unsigned int* o
                 .arg(&p.poll_ns);
             let one = LaunchConfig {
                 grid_dim: (1, 1, 1),
-                block_dim: (32, 1, 1),
+                block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: the rings hold `capacity` messages in mapped pinned memory that

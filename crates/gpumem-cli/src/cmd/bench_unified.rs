@@ -103,6 +103,7 @@ fn add(a: Option<UmCounts>, b: Option<UmCounts>) -> Option<UmCounts> {
         gpu_page_faults: a.gpu_page_faults + b.gpu_page_faults,
         bytes_htod: a.bytes_htod + b.bytes_htod,
         bytes_dtoh: a.bytes_dtoh + b.bytes_dtoh,
+        bytes_dtod: a.bytes_dtod + b.bytes_dtod,
     })
 }
 

@@ -42,7 +42,9 @@ pub enum RingMode {
     /// device rings, filled and drained by copies on the bridge's stream
     Copies,
     /// rings in mapped pinned memory, read and written in place by a running kernel; `poll`
-    /// is how long a waiting side sleeps between looks (zero: spin)
+    /// is how long a waiting side pauses between looks: zero spins; on the host, intervals
+    /// under 50 us yield the thread (a sleep lasts at least the timer slack), longer ones sleep;
+    /// device code gets it for `__nanosleep`
     Polled {
         /// pause between two looks at the other side's counter
         poll: Duration,
@@ -105,8 +107,8 @@ pub mod ctrl {
     pub const TO_HOST_HEAD: usize = 32;
     /// messages the host has received (host writes)
     pub const TO_HOST_TAIL: usize = 48;
-    /// nonzero once the host closes the bridge: a polling kernel finishes what is queued and
-    /// returns
+    /// nonzero once the host closes the bridge: a polling kernel returns (messages it has not
+    /// consumed are dropped)
     pub const CLOSED: usize = 64;
     /// 1 while a kernel is attached, 2 once it has returned (device writes)
     pub const DEVICE_STATE: usize = 80;
@@ -123,17 +125,27 @@ pub const POLLED_RING_CUDA: &str = r#"
 #define GM_TO_HOST_TAIL 48
 #define GM_CLOSED 64
 #define GM_DEVICE_STATE 80
-/* a load that later loads are ordered after (host writes it last) */
+/* load a control word; later loads of this thread are ordered after it (acquire, system scope) */
 __device__ __forceinline__ unsigned long long gm_ring_load(unsigned long long* ctrl, int w) {
-    unsigned long long v = *(volatile unsigned long long*)(ctrl + w);
+    unsigned long long v;
+#if __CUDA_ARCH__ >= 700
+    asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(ctrl + w) : "memory");
+#else
+    v = *(volatile unsigned long long*)(ctrl + w);
     __threadfence_system();
+#endif
     return v;
 }
-/* a store ordered after every earlier write of this thread (the host reads it first) */
+/* store a control word after every earlier write of this thread (release, system scope); for
+   writes of other threads of the block: __syncthreads(), then __threadfence_system() first */
 __device__ __forceinline__ void gm_ring_store(unsigned long long* ctrl, int w,
                                               unsigned long long v) {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("st.release.sys.u64 [%0], %1;" :: "l"(ctrl + w), "l"(v) : "memory");
+#else
     __threadfence_system();
     *(volatile unsigned long long*)(ctrl + w) = v;
+#endif
 }
 __device__ __forceinline__ void gm_ring_pause(unsigned int poll_ns) {
 #if __CUDA_ARCH__ >= 700
@@ -143,28 +155,41 @@ __device__ __forceinline__ void gm_ring_pause(unsigned int poll_ns) {
 "#;
 
 /// A complete polling kernel, `echo_polled(ctrl, to_device, to_host, capacity, message_bytes,
-/// poll_ns)` (the fields of [`PolledArgs`]; prepend [`POLLED_RING_CUDA`]): one block polls the
-/// host → device ring and echoes each message into the device → host ring until the host
-/// closes the bridge. The template for a kernel of your own, and what the GPU tests and
-/// `gpumem bench ring` run. Messages are copied as 4-byte words by the block's threads.
+/// poll_ns)` (the fields of [`PolledArgs`]; prepend [`POLLED_RING_CUDA`]; launch one block, of
+/// up to 1024 threads): thread 0 polls the host → device ring's head (the return ring's tail
+/// only when it looks full, the closed flag every 64 empty polls) and the block echoes every
+/// message that arrived into the device → host ring at once, then publishes them with one
+/// fence. Returns at the first poll after the host closes the bridge. The template for a
+/// kernel of your own, and what the GPU tests and `gpumem bench ring` run. Messages are
+/// copied as 16-byte words where their size allows, else 4-byte ones (uncached loads,
+/// write-through stores).
 pub const POLLED_ECHO_CUDA: &str = r#"
 extern "C" __global__ void echo_polled(unsigned long long* ctrl, const unsigned int* in,
                                        unsigned int* out, unsigned long long cap,
                                        unsigned long long msg_bytes, unsigned long long poll_ns) {
     __shared__ unsigned long long s_head;
     __shared__ int s_stop;
-    unsigned long long words = msg_bytes / 4, done = 0;
+    unsigned long long words = msg_bytes / 4, done = 0, tail = 0;
     if (threadIdx.x == 0) gm_ring_store(ctrl, GM_DEVICE_STATE, 1);
     for (;;) {
         if (threadIdx.x == 0) {
-            unsigned long long head;
+            unsigned long long head = done;
+            unsigned int idle = 0;
             int stop = 0;
             for (;;) {
                 head = gm_ring_load(ctrl, GM_TO_DEVICE_HEAD);
-                unsigned long long room = cap - (done - gm_ring_load(ctrl, GM_TO_HOST_TAIL));
-                if (head - done > room) head = done + room;
-                if (head > done) break;
-                if (gm_ring_load(ctrl, GM_CLOSED)) { stop = 1; break; }
+                if (head > done) {
+                    unsigned long long room = cap - (done - tail);
+                    if (room < head - done) {
+                        tail = gm_ring_load(ctrl, GM_TO_HOST_TAIL);
+                        room = cap - (done - tail);
+                    }
+                    if (room > 0) {
+                        if (head - done > room) head = done + room;
+                        break;
+                    }
+                }
+                if ((++idle & 63) == 0 && gm_ring_load(ctrl, GM_CLOSED)) { stop = 1; break; }
                 gm_ring_pause((unsigned int)poll_ns);
             }
             s_head = head;
@@ -173,13 +198,23 @@ extern "C" __global__ void echo_polled(unsigned long long* ctrl, const unsigned 
         __syncthreads();
         if (s_stop) break;
         unsigned long long head = s_head;
-        for (unsigned long long m = done; m < head; m++) {
-            const volatile unsigned int* src = in + (m % cap) * words;
-            volatile unsigned int* dst = out + (m % cap) * words;
-            for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+        if (msg_bytes % 16 == 0) {
+            /* 16-byte words: four times the bytes in flight per load */
+            unsigned long long v = msg_bytes / 16, total = (head - done) * v;
+            for (unsigned long long i = threadIdx.x; i < total; i += blockDim.x) {
+                unsigned long long off = ((done + i / v) % cap) * v + i % v;
+                __stwt((uint4*)out + off, __ldcv((const uint4*)in + off));
+            }
+        } else {
+            unsigned long long total = (head - done) * words;
+            for (unsigned long long i = threadIdx.x; i < total; i += blockDim.x) {
+                unsigned long long off = ((done + i / words) % cap) * words + i % words;
+                __stwt(out + off, __ldcv(in + off));
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
+            __threadfence_system();
             gm_ring_store(ctrl, GM_TO_DEVICE_TAIL, head);
             gm_ring_store(ctrl, GM_TO_HOST_HEAD, head);
         }
@@ -259,6 +294,9 @@ fn runs(seqs: Range<u64>, cap: usize) -> impl Iterator<Item = Range<usize>> {
         .filter(|r| !r.is_empty())
 }
 
+/// Poll intervals below this yield the thread between looks instead of sleeping.
+const SHORTEST_SLEEP: Duration = Duration::from_micros(50);
+
 /// Waits for a condition, looking every `poll` (spinning when zero) until `timeout`.
 fn wait_until(
     poll: Duration,
@@ -275,6 +313,10 @@ fn wait_until(
             if spins % 4096 != 0 {
                 continue;
             }
+        } else if poll < SHORTEST_SLEEP {
+            // a sleep this short would last the timer slack (~50 us): give the core away
+            // instead and look again
+            std::thread::yield_now();
         } else {
             std::thread::sleep(poll);
         }
@@ -605,8 +647,9 @@ impl<T: Pod> RingBridge<T> {
         self.receive()
     }
 
-    /// Polled mode: tell a polling kernel to finish what is queued and return, and wait (up
-    /// to the timeout) until it has, if one is attached. Dropping the bridge does the same.
+    /// Polled mode: tell a polling kernel to return (what it has not consumed is dropped) and
+    /// wait (up to the timeout) until it has, if one is attached. Dropping the bridge does
+    /// the same.
     pub fn close(&mut self) -> Result<()> {
         if let Rings::Polled { ctrl, poll, .. } = &self.rings {
             let (c, poll) = (ctrl_ptr(ctrl), *poll);
@@ -674,11 +717,11 @@ pub fn echo_on_host(a: PolledArgs) -> u64 {
     let mut done = 0u64;
     loop {
         let room = cap - (done - load(c, ctrl::TO_HOST_TAIL));
+        if load(c, ctrl::CLOSED) != 0 {
+            break;
+        }
         let head = load(c, ctrl::TO_DEVICE_HEAD).min(done + room);
         if head == done {
-            if load(c, ctrl::CLOSED) != 0 {
-                break;
-            }
             std::hint::spin_loop();
             continue;
         }

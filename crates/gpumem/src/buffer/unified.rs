@@ -201,6 +201,11 @@ pub struct UnifiedBuffer<T: Pod> {
     pattern: AccessPattern,
     /// streams the managed block was used on (for its safe reuse)
     streams: Vec<Stream>,
+    /// other devices given access (accessed-by advice in force)
+    shared_with: Vec<usize>,
+    /// streams of other devices with work that may still touch the buffer (waited for on
+    /// the host before the next access from anywhere else, and before the block goes back)
+    peer_pending: Vec<Stream>,
 }
 
 impl<T: Pod> std::fmt::Debug for UnifiedBuffer<T> {
@@ -329,6 +334,8 @@ impl<T: Pod> UnifiedBuffer<T> {
             device_pending: true,
             pattern: AccessPattern::default(),
             streams: vec![stream],
+            shared_with: Vec::new(),
+            peer_pending: Vec::new(),
         })
     }
 
@@ -377,8 +384,18 @@ impl<T: Pod> UnifiedBuffer<T> {
         self.mem.inner.managed.as_ref()
     }
 
+    /// Wait for work of other devices' views (their streams' events cannot be recorded in
+    /// this device's context, so the host waits).
+    fn settle_peers(&mut self) -> Result<()> {
+        for s in std::mem::take(&mut self.peer_pending) {
+            self.ops().synchronize(s)?;
+        }
+        Ok(())
+    }
+
     /// Make future work on `stream` wait for the last access's stream.
     fn order_after_last(&mut self, stream: Stream) -> Result<()> {
+        self.settle_peers()?;
         if stream != self.last_stream && self.device_pending {
             let ops = self.ops();
             stream_after(ops, self.last_stream, ops, stream)?;
@@ -400,6 +417,7 @@ impl<T: Pod> UnifiedBuffer<T> {
 
     /// Wait for device work that may still touch the buffer.
     fn settle_device(&mut self) -> Result<()> {
+        self.settle_peers()?;
         if self.device_pending {
             self.ops().synchronize(self.last_stream)?;
             self.device_pending = false;
@@ -409,6 +427,7 @@ impl<T: Pod> UnifiedBuffer<T> {
 
     /// Bring the data to the host (if it is not there) and wait for it.
     fn ensure_host(&mut self) -> Result<()> {
+        self.settle_peers()?;
         if self.host_valid {
             return Ok(());
         }
@@ -605,6 +624,79 @@ impl<T: Pod> UnifiedBuffer<T> {
         Ok(self.view(stream))
     }
 
+    /// A read-only view for work on `stream`, a stream of device `ordinal` (another GPU than
+    /// the buffer's): the pages stay on the buffer's device and `ordinal` is given
+    /// accessed-by advice, so its kernels read them in place (over NVLink or PCIe) without
+    /// page faults. `stream` waits for the buffer's earlier work; the next access from
+    /// anywhere else (and the buffer's drop) waits on the host for the view's work. Managed
+    /// placement only: a mirrored buffer lives in one device's memory.
+    pub fn device_on(&mut self, ordinal: usize, stream: Stream) -> Result<DeviceView<'_, T>> {
+        if self.home() == Some(ordinal) {
+            return self.device(stream);
+        }
+        self.peer_access(ordinal, stream)?;
+        self.pattern.device_reads = self.pattern.device_reads.saturating_add(1);
+        Ok(self.view(stream))
+    }
+
+    /// A writable view for work on `stream` of device `ordinal` (as [`Self::device_on`]):
+    /// the host copy is stale afterwards.
+    pub fn device_on_mut(&mut self, ordinal: usize, stream: Stream) -> Result<DeviceView<'_, T>> {
+        if self.home() == Some(ordinal) {
+            return self.device_mut(stream);
+        }
+        self.peer_access(ordinal, stream)?;
+        self.pattern.device_writes = self.pattern.device_writes.saturating_add(1);
+        if self.pattern.read_mostly && !self.pattern.user_advice {
+            self.apply_advice(Advice::ReadMostly(false))?;
+            self.pattern.read_mostly = false;
+        }
+        self.host_valid = false;
+        Ok(self.view(stream))
+    }
+
+    /// Devices given access to the buffer by [`Self::device_on`] (or advice).
+    pub fn shared_with(&self) -> &[usize] {
+        &self.shared_with
+    }
+
+    /// The ordinal of the buffer's device (none on the host backend).
+    fn home(&self) -> Option<usize> {
+        match self.mem.inner.device.backend().location() {
+            crate::resource::Location::Cuda(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    fn peer_access(&mut self, ordinal: usize, stream: Stream) -> Result<()> {
+        if self.managed().is_none() {
+            return Err(Error::Unsupported {
+                backend: self.mem.inner.device.backend().name().to_string(),
+                what: "a view for another device of a mirrored unified buffer (its data \
+                       lives in one device's memory; use the managed placement)"
+                    .into(),
+            });
+        }
+        let count = crate::device::device_count();
+        if ordinal >= count {
+            return Err(Error::InvalidDevice { ordinal, count });
+        }
+        if !self.shared_with.contains(&ordinal) {
+            self.apply_advice(Advice::AccessedBy(ordinal, true))?;
+            self.shared_with.push(ordinal);
+        }
+        // the data on the buffer's device, on the last access's stream
+        let last = self.last_stream;
+        self.prefetch_to_device(last)?;
+        // the peer's stream waits for that (a cross-device wait on this device's event)
+        let ops = self.ops();
+        stream_after(ops, last, ops, stream)?;
+        if !self.peer_pending.contains(&stream) {
+            self.peer_pending.push(stream);
+        }
+        Ok(())
+    }
+
     fn view(&self, stream: Stream) -> DeviceView<'_, T> {
         let ptr = match &self.store {
             Store::Managed { ptr, .. } => *ptr,
@@ -655,6 +747,12 @@ impl<T: Pod> UnifiedBuffer<T> {
             }
         }
         self.apply_advice(advice)?;
+        if let Advice::AccessedBy(d, on) = advice {
+            self.shared_with.retain(|&x| x != d);
+            if on {
+                self.shared_with.push(d);
+            }
+        }
         self.pattern.user_advice = true;
         if let Advice::ReadMostly(on) = advice {
             self.pattern.read_mostly = on;
@@ -665,6 +763,11 @@ impl<T: Pod> UnifiedBuffer<T> {
 
 impl<T: Pod> Drop for UnifiedBuffer<T> {
     fn drop(&mut self) {
+        if let Err(e) = self.settle_peers() {
+            tracing::error!(
+                "gpumem: UnifiedBuffer drop could not wait for another device's work: {e}"
+            );
+        }
         if let Store::Managed { block, .. } = &mut self.store {
             if let (Some(b), Some(m)) = (block.take(), self.mem.inner.managed.as_ref()) {
                 if let Err(e) = m.pool.deallocate(b) {

@@ -24,6 +24,8 @@ pub struct UmCounts {
     pub bytes_htod: u64,
     /// bytes migrated device → host
     pub bytes_dtoh: u64,
+    /// bytes migrated between devices (counted only when counting on several devices)
+    pub bytes_dtod: u64,
 }
 
 impl std::ops::Sub for UmCounts {
@@ -33,6 +35,7 @@ impl std::ops::Sub for UmCounts {
             gpu_page_faults: self.gpu_page_faults.saturating_sub(o.gpu_page_faults),
             bytes_htod: self.bytes_htod.saturating_sub(o.bytes_htod),
             bytes_dtoh: self.bytes_dtoh.saturating_sub(o.bytes_dtoh),
+            bytes_dtod: self.bytes_dtod.saturating_sub(o.bytes_dtod),
         }
     }
 }
@@ -47,6 +50,7 @@ mod imp {
     static GPU_FAULTS: AtomicU64 = AtomicU64::new(0);
     static HTOD: AtomicU64 = AtomicU64::new(0);
     static DTOH: AtomicU64 = AtomicU64::new(0);
+    static DTOD: AtomicU64 = AtomicU64::new(0);
 
     const BUF: usize = 1 << 20;
     const ALIGN: usize = 8;
@@ -107,6 +111,7 @@ mod imp {
                     K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_GPU_PAGE_FAULT => &GPU_FAULTS,
                     K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_HTOD => &HTOD,
                     K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_DTOH => &DTOH,
+                    K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_DTOD => &DTOD,
                     _ => continue,
                 };
                 slot.fetch_add(value, Ordering::Relaxed);
@@ -122,7 +127,7 @@ mod imp {
         unsafe { sys::is_culib_present() }
     }
 
-    pub(super) fn start(ordinal: usize) -> Result<()> {
+    pub(super) fn start(ordinals: &[usize]) -> Result<()> {
         if ACTIVE.swap(true, Ordering::AcqRel) {
             return Err(Error::InvalidState(
                 "a unified-memory counter is already running in this process".into(),
@@ -130,21 +135,26 @@ mod imp {
         }
         let r = (|| {
             use sys::CUpti_ActivityUnifiedMemoryCounterKind as K;
-            let kinds = [
+            let mut kinds = vec![
                 K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_GPU_PAGE_FAULT,
                 K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_HTOD,
                 K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_DTOH,
             ];
-            let mut config: Vec<sys::CUpti_ActivityUnifiedMemoryCounterConfig> = kinds
+            if ordinals.len() > 1 {
+                kinds.push(K::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_DTOD);
+            }
+            let mut config: Vec<sys::CUpti_ActivityUnifiedMemoryCounterConfig> = ordinals
                 .iter()
-                .map(|&kind| sys::CUpti_ActivityUnifiedMemoryCounterConfig {
-                    scope: sys::CUpti_ActivityUnifiedMemoryCounterScope::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_SCOPE_PROCESS_SINGLE_DEVICE,
-                    kind,
-                    deviceId: ordinal as u32,
-                    enable: 1,
+                .flat_map(|&ordinal| {
+                    kinds.clone().into_iter().map(move |kind| sys::CUpti_ActivityUnifiedMemoryCounterConfig {
+                        scope: sys::CUpti_ActivityUnifiedMemoryCounterScope::CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_SCOPE_PROCESS_SINGLE_DEVICE,
+                        kind,
+                        deviceId: ordinal as u32,
+                        enable: 1,
+                    })
                 })
                 .collect();
-            for c in [&GPU_FAULTS, &HTOD, &DTOH] {
+            for c in [&GPU_FAULTS, &HTOD, &DTOH, &DTOD] {
                 c.store(0, Ordering::Relaxed);
             }
             // SAFETY: the config array is valid for its length; the callbacks are ours.
@@ -183,6 +193,7 @@ mod imp {
             gpu_page_faults: GPU_FAULTS.load(Ordering::Relaxed),
             bytes_htod: HTOD.load(Ordering::Relaxed),
             bytes_dtoh: DTOH.load(Ordering::Relaxed),
+            bytes_dtod: DTOD.load(Ordering::Relaxed),
         })
     }
 
@@ -212,6 +223,11 @@ impl UmCounter {
     /// Start counting on device `ordinal`. Errors where CUPTI is missing (libcupti not on the
     /// loader path), another counter runs, or the device cannot profile unified memory.
     pub fn start(ordinal: usize) -> Result<Self> {
+        Self::start_devices(&[ordinal])
+    }
+
+    /// Start counting on every device of `ordinals` (the counts are their sums).
+    pub fn start_devices(ordinals: &[usize]) -> Result<Self> {
         #[cfg(feature = "cupti")]
         {
             if !imp::present() {
@@ -222,12 +238,12 @@ impl UmCounter {
                         .into(),
                 });
             }
-            imp::start(ordinal)?;
+            imp::start(ordinals)?;
             Ok(Self { running: true })
         }
         #[cfg(not(feature = "cupti"))]
         {
-            let _ = ordinal;
+            let _ = ordinals;
             Err(Error::Unsupported {
                 backend: "gpumem".into(),
                 what: "unified-memory counters (built without the cupti feature)".into(),
