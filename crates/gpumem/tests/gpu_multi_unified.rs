@@ -75,7 +75,7 @@ fn a_unified_buffer_is_read_by_kernels_on_two_devices_without_faults() {
     // control: raw managed memory resident on device 0, no advice: device 1's kernel faults
     // (its pages migrate, or are mapped, on demand)
     let m = CudaManaged::new(0).unwrap();
-    let raw = m.allocate(d0.stream(), n * 4, 1 << 21).unwrap();
+    let raw = m.allocate(d0.stream(), n * 4, 4096).unwrap();
     // SAFETY: a fresh managed block of n floats; no kernel runs yet.
     unsafe { std::slice::from_raw_parts_mut(raw as *mut f32, n) }.copy_from_slice(&want);
     // SAFETY: the range is the block just allocated.
@@ -96,25 +96,36 @@ fn a_unified_buffer_is_read_by_kernels_on_two_devices_without_faults() {
     // gpumem: a managed unified buffer of device 0, written on the host, read by a kernel on
     // each device
     let mem = UnifiedMemory::new(set.device(0).unwrap(), Placement::Managed).unwrap();
-    for len in [1000usize, n] {
-        // small buffers migrate pages; large ones keep them on device 0 behind a shadow
+    // small buffers migrate pages; large ones keep them on device 0 behind a shadow; with
+    // gpumem's own advice, read by kernels only, they become read-mostly after two reads (the
+    // peer then gets a read-only copy); with the user's advice (not read-mostly) the peer
+    // keeps reading device 0's pages in place, also after they went to the host and back
+    for (len, user_advice) in [(1000usize, false), (1000, true), (n, false), (n, true)] {
         let mut x = UnifiedBuffer::from_slice(&mem, d0.stream(), &want[..len]).unwrap();
+        if user_advice {
+            x.advise(Advice::ReadMostly(false)).unwrap();
+        }
         let y0 = DeviceBuffer::<f32>::zeroed(set.device(0).unwrap(), d0.stream(), len).unwrap();
         let y1 = DeviceBuffer::<f32>::zeroed(set.device(1).unwrap(), d1.stream(), len).unwrap();
-        for round in 0..2 {
+        for round in 0..3 {
             let xp0 = x.device(d0.stream()).unwrap().device_ptr();
             d0.st.synchronize().unwrap(); // the prefetch has landed
             let before = counter.read_settled().unwrap();
             d0.scale(y0.device_ptr(), xp0, 2.0, len);
             let on0 = counter.read_settled().unwrap() - before;
+            let before = counter.read_settled().unwrap();
             let xp1 = x.device_on(1, d1.stream()).unwrap().device_ptr();
             assert_eq!(xp0, xp1, "one buffer, one address");
             d1.st.synchronize().unwrap();
+            let view = counter.read_settled().unwrap() - before;
             let before = counter.read_settled().unwrap();
             d1.scale(y1.device_ptr(), xp1, 3.0, len);
             let on1 = counter.read_settled().unwrap() - before;
             println!(
-                "{len} floats, round {round}: device 0 kernel {on0:?}, device 1 kernel {on1:?}"
+                "{len} floats, user advice {user_advice}, round {round}: read-mostly {}; \
+                 device 0 kernel {on0:?}; device 1 view (prefetch) {view:?}; device 1 kernel \
+                 {on1:?}",
+                x.access_pattern().read_mostly
             );
             assert_eq!(on0.gpu_page_faults, 0, "device 0 faulted: {on0:?}");
             assert_eq!(on1.gpu_page_faults, 0, "device 1 faulted: {on1:?}");

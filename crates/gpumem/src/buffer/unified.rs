@@ -627,7 +627,8 @@ impl<T: Pod> UnifiedBuffer<T> {
     /// A read-only view for work on `stream`, a stream of device `ordinal` (another GPU than
     /// the buffer's): the pages stay on the buffer's device and `ordinal` is given
     /// accessed-by advice, so its kernels read them in place (over NVLink or PCIe) without
-    /// page faults. `stream` waits for the buffer's earlier work; the next access from
+    /// page faults; a read-mostly buffer (advice, or gpumem's own for buffers the host writes
+    /// and kernels only read) is prefetched to `ordinal` on `stream` as a read-only copy. `stream` waits for the buffer's earlier work; the next access from
     /// anywhere else (and the buffer's drop) waits on the host for the view's work. Managed
     /// placement only: a mirrored buffer lives in one device's memory.
     pub fn device_on(&mut self, ordinal: usize, stream: Stream) -> Result<DeviceView<'_, T>> {
@@ -691,6 +692,17 @@ impl<T: Pod> UnifiedBuffer<T> {
         // the peer's stream waits for that (a cross-device wait on this device's event)
         let ops = self.ops();
         stream_after(ops, last, ops, stream)?;
+        if self.pattern.read_mostly {
+            // read-mostly pages are duplicated where they are read: give the peer its
+            // read-only copy now, on its stream, rather than on its kernel's first touch
+            if let (Store::Managed { ptr, bytes, .. }, Some(m)) = (&self.store, self.managed()) {
+                // SAFETY: the range is this buffer's managed block.
+                unsafe {
+                    m.ops
+                        .prefetch(*ptr, *bytes, MemPlace::Device(ordinal), stream)?
+                };
+            }
+        }
         if !self.peer_pending.contains(&stream) {
             self.peer_pending.push(stream);
         }

@@ -97,7 +97,12 @@ impl MemoryVisibility {
         let shared = caps.managed_memory || caps.can_map_host_memory;
         if !shared {
             MemoryVisibility::ExplicitCopies
-        } else if platform.concurrent() && caps.managed_memory && caps.concurrent_managed_access {
+        } else if platform.concurrent()
+            && ((caps.managed_memory && caps.concurrent_managed_access)
+                || (caps.pageable_memory_access && caps.host_native_atomics))
+        {
+            // concurrent managed access, or a coherent interconnect (NVLink-C2C: pageable
+            // memory and atomics shared with the host)
             MemoryVisibility::SystemWide
         } else {
             MemoryVisibility::KernelBoundary
@@ -178,6 +183,25 @@ mod tests {
         assert_eq!(
             MemoryVisibility::classify(gh, Platform::Linux),
             MemoryVisibility::SystemWide
+        );
+        // a coherent interconnect is enough by itself
+        let coherent = VisibilityCaps {
+            concurrent_managed_access: false,
+            ..gh
+        };
+        assert_eq!(
+            MemoryVisibility::classify(coherent, Platform::Linux),
+            MemoryVisibility::SystemWide
+        );
+        // pageable access without host-native atomics (HMM on a PCIe GPU) adds nothing
+        let hmm_only = VisibilityCaps {
+            concurrent_managed_access: false,
+            pageable_memory_access: true,
+            ..discrete()
+        };
+        assert_eq!(
+            MemoryVisibility::classify(hmm_only, Platform::Linux),
+            MemoryVisibility::KernelBoundary
         );
     }
 

@@ -187,13 +187,17 @@ impl ManagedMemory for CudaManaged {
         to: MemPlace,
         stream: Stream,
     ) -> Result<()> {
-        // SAFETY: forwarded under the caller's guarantee.
-        unsafe {
-            match to {
-                MemPlace::Host => self.prefetch_to_host(ptr, bytes, stream),
-                MemPlace::Device(_) => self.prefetch_to_device(ptr, bytes, stream),
+        if let MemPlace::Device(d) = to {
+            let count = crate::resource::info::device_count();
+            if d >= count {
+                return Err(Error::InvalidDevice { ordinal: d, count });
             }
         }
+        self.ops.bind()?;
+        // SAFETY: the caller guarantees the range lies in managed memory from this resource;
+        // the destination device exists (checked above).
+        unsafe { result::mem_prefetch_async(ptr, bytes, mem_location(to), raw(stream)) }
+            .map_err(|e| cuda_err("cuMemPrefetchAsync", e))
     }
     unsafe fn advise(&self, ptr: DevPtr, bytes: usize, advice: Advice) -> Result<()> {
         // SAFETY: forwarded under the caller's guarantee.
