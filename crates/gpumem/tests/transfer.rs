@@ -223,7 +223,11 @@ fn polled_ring_round_trips_through_a_polling_device_without_copies() {
     assert!(matches!(ring.mode(), RingMode::Polled { .. }));
     let args = ring.polled_args().unwrap();
     assert_eq!((args.capacity, args.message_bytes), (16, 128));
-    let device = std::thread::spawn(move || gpumem::buffer::ring::echo_on_host(args));
+    let device = std::thread::spawn(move || {
+        // SAFETY: a host-backend bridge's rings; the test waits for the echo to attach (or
+        // drains through it) before the bridge goes
+        unsafe { gpumem::buffer::ring::echo_on_host(args) }
+    });
     while !ring.device_attached() {
         std::thread::yield_now();
     }
@@ -286,7 +290,11 @@ fn polled_ring_without_a_device_times_out_and_stays_usable() {
     assert!(ring.inbox_device_mut().is_err());
     // a device attaches late and drains the ring: the blocked send goes through
     let args = ring.polled_args().unwrap();
-    let device = std::thread::spawn(move || gpumem::buffer::ring::echo_on_host(args));
+    let device = std::thread::spawn(move || {
+        // SAFETY: a host-backend bridge's rings; the test waits for the echo to attach (or
+        // drains through it) before the bridge goes
+        unsafe { gpumem::buffer::ring::echo_on_host(args) }
+    });
     ring.set_timeout(std::time::Duration::from_secs(10));
     ring.send(Msg::new(4)).unwrap();
     let mut got = Vec::new();

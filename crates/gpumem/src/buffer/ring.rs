@@ -476,7 +476,6 @@ impl<T: Pod> RingBridge<T> {
                 store(c, ctrl::TO_DEVICE_HEAD, sent + 1);
                 self.counters.messages_to_device += 1;
                 self.counters.bytes_to_device += std::mem::size_of::<T>() as u64;
-                self.flushed = sent + 1;
             }
         }
         self.sent += 1;
@@ -710,7 +709,12 @@ impl<T: Pod> Drop for RingBridge<T> {
 /// host closes the bridge, with the number of messages echoed. Start it before the bridge
 /// can be dropped (wait for [`RingBridge::device_attached`]): a bridge dropped before its
 /// device attaches frees the rings.
-pub fn echo_on_host(a: PolledArgs) -> u64 {
+///
+/// # Safety
+/// `a` must come from [`RingBridge::polled_args`] of a polled bridge on the host backend (its
+/// addresses are host memory), and that bridge must not be dropped before this function has
+/// attached (wait for [`RingBridge::device_attached`]); its close then waits for the return.
+pub unsafe fn echo_on_host(a: PolledArgs) -> u64 {
     let c = a.ctrl as *const AtomicU64;
     let (cap, bytes) = (a.capacity, a.message_bytes as usize);
     store(c, ctrl::DEVICE_STATE, 1);
