@@ -295,51 +295,9 @@ fn polled_ring_round_trips_through_a_running_kernel_without_copies() {
         "{:?}",
         ring.mode()
     );
-    let p = ring.polled_args().unwrap();
-    let mut b = st.launch_builder(&g.echo_polled);
-    b.arg(&p.ctrl)
-        .arg(&p.to_device)
-        .arg(&p.to_host)
-        .arg(&p.capacity)
-        .arg(&p.message_bytes)
-        .arg(&p.poll_ns);
-    let one = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: the rings hold `capacity` messages of `message_bytes` in mapped pinned memory
-    // that outlives the kernel (the bridge's close waits for it to return).
-    unsafe { b.launch(one) }.unwrap();
-    let t = std::time::Instant::now();
-    while !ring.device_attached() {
-        assert!(
-            t.elapsed().as_secs() < 10,
-            "the polling kernel never attached"
-        );
-        std::thread::yield_now();
-    }
-    let (mut sent, mut got) = (0u64, 0u64);
-    for round in 0..2000u64 {
-        let burst = 1 + (round * 29) % cap as u64;
-        for _ in 0..burst {
-            if sent - got == cap as u64 {
-                for m in ring.receive_at_least(1).unwrap() {
-                    assert!(m.intact() && m == Msg::new(got), "message {got}");
-                    got += 1;
-                }
-            }
-            ring.send(Msg::new(sent)).unwrap();
-            sent += 1;
-        }
-        while got < sent {
-            for m in ring.receive_at_least(1).unwrap() {
-                assert!(m.intact(), "message {got} corrupted");
-                assert_eq!(m, Msg::new(got), "message {got}");
-                got += 1;
-            }
-        }
-    }
+    // SAFETY: `echo_polled` has the six-argument signature and stays within the rings.
+    unsafe { ring.launch_polled(&st, &g.echo_polled, 256) }.unwrap();
+    let sent = msg::echo_bursts(&mut ring, 2000, |round| 1 + (round * 29) % cap as u64);
     ring.close().unwrap();
     st.synchronize().unwrap();
     let c = ring.counters();

@@ -228,33 +228,10 @@ fn polled_ring_round_trips_through_a_polling_device_without_copies() {
         // drains through it) before the bridge goes
         unsafe { gpumem::buffer::ring::echo_on_host(args) }
     });
-    while !ring.device_attached() {
-        std::thread::yield_now();
-    }
-    let (mut sent, mut got) = (0u64, 0u64);
+    ring.wait_attached().unwrap();
     // bursts of up to twice the ring (sends wait for the device to free slots), and single
     // round trips
-    for round in 0..400u64 {
-        let burst = 1 + (round * 13) % (2 * cap as u64);
-        for _ in 0..burst {
-            if sent - got == cap as u64 {
-                // replies fill the return ring: take them before sending more
-                for m in ring.receive_at_least(1).unwrap() {
-                    assert!(m.intact() && m == Msg::new(got), "message {got}");
-                    got += 1;
-                }
-            }
-            ring.send(Msg::new(sent)).unwrap();
-            sent += 1;
-        }
-        while got < sent {
-            for m in ring.receive_at_least(1).unwrap() {
-                assert!(m.intact(), "message {got} corrupted");
-                assert_eq!(m, Msg::new(got), "out of order");
-                got += 1;
-            }
-        }
-    }
+    let sent = msg::echo_bursts(&mut ring, 400, |round| 1 + (round * 13) % (2 * cap as u64));
     assert_eq!(
         ring.flush_to_device().unwrap().end,
         sent,

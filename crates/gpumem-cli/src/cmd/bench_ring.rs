@@ -194,13 +194,7 @@ fn measure(
         let polled = ring.polled_args().is_some();
         let handle = if polled {
             let h = echo.start_polled(&ring)?;
-            let t = Instant::now();
-            while !ring.device_attached() {
-                if t.elapsed() > Duration::from_secs(10) {
-                    return Err("the polling side never attached".into());
-                }
-                std::thread::yield_now();
-            }
+            ring.wait_attached()?;
             h
         } else {
             None
@@ -351,22 +345,9 @@ extern "C" __global__ void echo_words(unsigned int* inbox, const unsigned int* o
             &self,
             ring: &RingBridge<Msg>,
         ) -> Result<Option<std::thread::JoinHandle<u64>>> {
-            let p = ring.polled_args().ok_or("not a polled ring")?;
-            let mut b = self.st.launch_builder(&self.polled);
-            b.arg(&p.ctrl)
-                .arg(&p.to_device)
-                .arg(&p.to_host)
-                .arg(&p.capacity)
-                .arg(&p.message_bytes)
-                .arg(&p.poll_ns);
-            let one = LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: the rings hold `capacity` messages in mapped pinned memory that
-            // outlives the kernel (the bridge's close waits for it to return).
-            unsafe { b.launch(one) }.map_err(msg)?;
+            // SAFETY: `echo_polled` (POLLED_ECHO_CUDA) has the six-argument signature and
+            // stays within the rings.
+            unsafe { ring.launch_polled(&self.st, &self.polled, 256) }?;
             Ok(None)
         }
         fn finish_polled(&self, _: Option<std::thread::JoinHandle<u64>>) -> Result<()> {

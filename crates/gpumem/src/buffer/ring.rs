@@ -665,6 +665,62 @@ impl<T: Pod> RingBridge<T> {
         Ok(())
     }
 
+    /// Polled mode: wait (up to the timeout) until a polling kernel (or host thread) has
+    /// attached, which it must before the bridge may be dropped.
+    pub fn wait_attached(&self) -> Result<()> {
+        match &self.rings {
+            Rings::Polled { ctrl, poll, .. } => {
+                let c = ctrl_ptr(ctrl);
+                wait_until(
+                    *poll,
+                    self.timeout,
+                    || "the polling kernel to attach".into(),
+                    || load(c, ctrl::DEVICE_STATE) != 0,
+                )
+            }
+            Rings::Copies { .. } => Err(Error::InvalidState(
+                "a copy-mode ring has no polling kernel to attach".into(),
+            )),
+        }
+    }
+
+    /// Polled mode: launch `kernel` as one block of `threads` on `stream` to serve this
+    /// bridge, with the fields of [`Self::polled_args`] as its six arguments in their order
+    /// (the signature of [`POLLED_ECHO_CUDA`]'s `echo_polled`), and wait for it to attach.
+    ///
+    /// # Safety
+    /// `kernel` must take exactly those six arguments and touch the rings only within their
+    /// capacity, as the polled protocol says.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn launch_polled(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        kernel: &cudarc::driver::CudaFunction,
+        threads: u32,
+    ) -> Result<()> {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let p = self.polled_args().ok_or_else(|| {
+            Error::InvalidState("a copy-mode ring has no polling kernel to launch".into())
+        })?;
+        let mut b = stream.launch_builder(kernel);
+        b.arg(&p.ctrl)
+            .arg(&p.to_device)
+            .arg(&p.to_host)
+            .arg(&p.capacity)
+            .arg(&p.message_bytes)
+            .arg(&p.poll_ns);
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel's signature and bounds are the caller's contract; the rings live
+        // in mapped pinned memory that outlives it (close and drop wait for it to return).
+        unsafe { b.launch(one_block) }
+            .map_err(|e| crate::resource::cuda::cuda_err("cuLaunchKernel", e))?;
+        self.wait_attached()
+    }
+
     /// Polled mode: true once a kernel has attached and not yet returned.
     pub fn device_attached(&self) -> bool {
         match &self.rings {

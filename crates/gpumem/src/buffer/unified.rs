@@ -614,23 +614,30 @@ impl<T: Pod> UnifiedBuffer<T> {
     /// A writable device view for work on `stream`: the host copy is stale afterwards.
     pub fn device_mut(&mut self, stream: Stream) -> Result<DeviceView<'_, T>> {
         self.prefetch_to_device(stream)?;
+        self.note_device_write()?;
+        Ok(self.view(stream))
+    }
+
+    /// A writable view is handed out: count it, drop gpumem's own read-mostly advice (written
+    /// by kernels after all, it no longer fits), and the host copy is stale.
+    fn note_device_write(&mut self) -> Result<()> {
         self.pattern.device_writes = self.pattern.device_writes.saturating_add(1);
         if self.pattern.read_mostly && !self.pattern.user_advice {
-            // written by kernels after all: automatic read-mostly no longer fits
             self.apply_advice(Advice::ReadMostly(false))?;
             self.pattern.read_mostly = false;
         }
         self.host_valid = false;
-        Ok(self.view(stream))
+        Ok(())
     }
 
     /// A read-only view for work on `stream`, a stream of device `ordinal` (another GPU than
     /// the buffer's): the pages stay on the buffer's device and `ordinal` is given
     /// accessed-by advice, so its kernels read them in place (over NVLink or PCIe) without
     /// page faults; a read-mostly buffer (advice, or gpumem's own for buffers the host writes
-    /// and kernels only read) is prefetched to `ordinal` on `stream` as a read-only copy. `stream` waits for the buffer's earlier work; the next access from
-    /// anywhere else (and the buffer's drop) waits on the host for the view's work. Managed
-    /// placement only: a mirrored buffer lives in one device's memory.
+    /// and kernels only read) is prefetched to `ordinal` on `stream` as a read-only copy.
+    /// `stream` waits for the buffer's earlier work; the next access from anywhere else (and
+    /// the buffer's drop) waits on the host for the view's work. Managed placement only: a
+    /// mirrored buffer lives in one device's memory.
     pub fn device_on(&mut self, ordinal: usize, stream: Stream) -> Result<DeviceView<'_, T>> {
         if self.home() == Some(ordinal) {
             return self.device(stream);
@@ -647,12 +654,7 @@ impl<T: Pod> UnifiedBuffer<T> {
             return self.device_mut(stream);
         }
         self.peer_access(ordinal, stream)?;
-        self.pattern.device_writes = self.pattern.device_writes.saturating_add(1);
-        if self.pattern.read_mostly && !self.pattern.user_advice {
-            self.apply_advice(Advice::ReadMostly(false))?;
-            self.pattern.read_mostly = false;
-        }
-        self.host_valid = false;
+        self.note_device_write()?;
         Ok(self.view(stream))
     }
 

@@ -52,3 +52,37 @@ extern "C" __global__ void echo(Msg* inbox, const Msg* outbox, unsigned long lon
     if (i < n) inbox[(out0 + i) % cap] = outbox[(in0 + i) % cap];
 }
 "#;
+
+/// Drive a polled ring whose device echoes: `rounds` bursts of `burst(round)` messages, each
+/// burst's replies received in order and checked (when the return ring would overflow, the
+/// replies so far are taken first). Returns the messages sent, all received.
+#[allow(dead_code)]
+pub fn echo_bursts(
+    ring: &mut gpumem::buffer::ring::RingBridge<Msg>,
+    rounds: u64,
+    burst: impl Fn(u64) -> u64,
+) -> u64 {
+    let cap = ring.capacity() as u64;
+    let (mut sent, mut got) = (0u64, 0u64);
+    let take = |ring: &mut gpumem::buffer::ring::RingBridge<Msg>, got: &mut u64| {
+        for m in ring.receive_at_least(1).unwrap() {
+            assert!(m.intact(), "message {got} corrupted");
+            assert_eq!(m, Msg::new(*got), "message {got} out of order");
+            *got += 1;
+        }
+    };
+    for round in 0..rounds {
+        for _ in 0..burst(round) {
+            if sent - got == cap {
+                // replies fill the return ring: take them before sending more
+                take(ring, &mut got);
+            }
+            ring.send(Msg::new(sent)).unwrap();
+            sent += 1;
+        }
+        while got < sent {
+            take(ring, &mut got);
+        }
+    }
+    sent
+}
