@@ -75,7 +75,7 @@ fn mixture_of_experts() {
 
 #[test]
 fn kv_cache_decoding() {
-    family(Kind::KvCacheDecode, BOUND_KV);
+    family(Kind::KvCacheDecode, TARGET);
 }
 
 #[test]
@@ -104,20 +104,21 @@ fn convnet_variable_resolution() {
 }
 
 // Bounds measured on this code (worst of 50 draws, rounded up): the 1.02 is not met by
-// these families yet (draws above it: fixed shape 6, MoE 3, decoding 1, serving 14, several
-// streams 33, convnet 3, variable resolution 2; most with a lagging GPU). Several streams: other streams' pages move only once their work is known done, so a
-// lagging GPU leaves the peak high.
+// these families yet (draws above it: fixed shape 3, MoE 2, serving 10, several streams 33,
+// convnet 4, variable resolution 2; most with a lagging GPU). Several streams: other streams'
+// pages move only once their work is known done, so a lagging GPU leaves the peak high.
 const BOUND_FIXED_SHAPE: f64 = 1.06;
 
 const BOUND_MOE: f64 = 1.04;
-const BOUND_KV: f64 = 1.03;
 const BOUND_SERVING: f64 = 1.055;
 const BOUND_MULTI_STREAM: f64 = 1.315;
 const BOUND_CONV: f64 = 1.035;
 const BOUND_CONV_RES: f64 = 1.03;
 
 /// Driver calls in the last step of a periodic job (the calls of `n + 1` steps minus those of
-/// `n` steps, same seed), with and without GPU lag: the target is none.
+/// `n` steps, same seed), with and without GPU lag, as the page engine makes them (creates,
+/// maps, set-access, unmaps, releases, event records; a page whose memory still lingers
+/// where it is mapped again costs none): the target is none.
 #[test]
 fn periodic_jobs_driver_calls_per_step_in_steady_state() {
     let mut worst = 0;
@@ -147,7 +148,8 @@ fn periodic_jobs_driver_calls_per_step_in_steady_state() {
     );
 }
 
-/// Measured on this code: the target (0) is not met yet (49 of 60 runs make calls in
-/// step 6, at most 183: the pool keeps reserved within 0.2% of the peak, so pages keep moving
-/// between the step's phases).
-const BOUND_STEADY_CALLS: u64 = 183;
+/// Measured on this code: the target (0) is not met yet: 48 of 60 runs make driver
+/// calls in step 6, at most 1477 (page-level calls of the engine; the pool keeps reserved
+/// within 0.2% of the peak, so pages keep moving between the step's phases, and the memory of
+/// a page that moved away is not always the one its address gets back).
+const BOUND_STEADY_CALLS: u64 = 1477;

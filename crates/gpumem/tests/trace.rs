@@ -335,10 +335,11 @@ fn reads_a_real_pytorch_snapshot_pickle() {
     assert!(ours.ratio <= rec.ratio + 1e-9);
 }
 
-/// The replay's driver cost model: every real trace gets its modelled driver time and its
-/// share of the trace's wall time. The figures (default model, H100 costs): classic segments
-/// stay under 1% of wall time on every trace; the expandable rows are reported (the 1%
-/// target is not met on all of them: moving a page costs ~50 µs on the allocating thread).
+/// The replay's driver cost model: every real trace gets its modelled driver time (the page
+/// engine's counted calls at H100 costs) and its share of the trace's wall time. Classic
+/// segments stay under 1% of wall time on every trace; the expandable rows are reported (the
+/// issue's 1% target is not met on all of them: most of it is the first step's growth, every
+/// page created and mapped once, in traces of a few steps).
 #[test]
 fn the_cost_model_reports_driver_time_on_every_real_trace() {
     use gpumem::trace::CostModel;
@@ -366,26 +367,40 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
             );
         }
     }
-    // the arithmetic: two map calls of 10 pages in all with a peak of 6 pages (6 created, 4
-    // moved with kept handles), 4 pages unmapped, 3 of them in one stream-ordered run, a stall
-    let mut s = gpumem::Stats {
-        num_device_alloc: 2,
-        mapped_bytes: 10 << 21,
-        unmapped_bytes: 4 << 21,
+    // the arithmetic: the page engine's calls (4 creates, 10 maps, 2 set-access calls, 3
+    // unmaps, 2 releases, 1 event record, 1 wait) and one host synchronisation
+    let s = gpumem::Stats {
         num_unmap_syncs: 1,
-        num_ordered_unmaps: 1,
         ..Default::default()
     };
-    s.reserved_bytes.all.peak = 6 << 21;
+    let c = gpumem::resource::VmmCalls {
+        creates: 4,
+        maps: 10,
+        set_access: 2,
+        unmaps: 3,
+        releases: 2,
+        records: 1,
+        waits: 1,
+        ..Default::default()
+    };
     let m = CostModel::default();
-    let (fg, bg) = m.cost(&s, Some(2 << 20));
-    let want = 2.0 * m.set_access_us
+    let (fg, bg) = m.cost(&s, Some(&c));
+    let want = 4.0 * m.create_us
         + 10.0 * m.map_us
-        + 6.0 * m.create_us
+        + 2.0 * m.set_access_us
+        + 3.0 * m.unmap_us
         + m.record_us
-        + 4.0 * m.moved_page_us
-        + m.sync_stall_us;
-    assert!((fg - want).abs() < 1e-9 && (bg - 4.0 * m.unmap_us).abs() < 1e-9);
+        + 2.0 * m.sync_stall_us;
+    assert!((fg - want).abs() < 1e-9 && (bg - 2.0 * m.release_us).abs() < 1e-9);
+    // classic segments: every cuMemAlloc and cuMemFree on the allocating thread
+    let mut s = gpumem::Stats {
+        num_device_alloc: 3,
+        num_device_free: 1,
+        ..Default::default()
+    };
+    s.reserved_bytes.all.allocated = 4 << 20;
+    let (fg, bg) = m.cost(&s, None);
+    assert!((fg - (4.0 * m.segment_us + 4.0 * m.segment_us_per_mib)).abs() < 1e-9 && bg == 0.0);
 }
 
 #[test]

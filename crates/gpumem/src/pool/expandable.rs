@@ -3,10 +3,6 @@
 
 use super::*;
 
-/// Address ranges one stream may have before an allocation waits for moved pages to settle
-/// rather than taking fresh addresses.
-const MAX_RANGES_PER_STREAM: usize = 8;
-
 /// Pages a run of busy free pages needs before it moves in stream order (see
 /// `reclaim_pages`); chosen on replays of the real traces and the workload families with a
 /// lagging GPU (1, 2, 4, 8 and 16 compared).
@@ -34,29 +30,10 @@ impl CachingPool {
             },
             f => f,
         };
+        // pages that moved away from the block in stream order and are not known idle yet
+        // need no wait: their memory lingers there for the stream's next map (see
+        // `resource::page_map`), or the map waits for the old work before unmapping
         let id = match found {
-            // mapping there would wait for the GPU to pass pages moved from there in stream
-            // order: another free block that fits, if one does not
-            Some(id) if self.settling_under(id, size) => {
-                match self.settled_fit(stream, size, kind) {
-                    Some(other) => {
-                        self.enter_free(id);
-                        other
-                    }
-                    // fresh addresses: a new range of the stream's (address space is cheap,
-                    // within reason), else wait
-                    None if self.ranges_of(stream) < MAX_RANGES_PER_STREAM => {
-                        match self.grow_expandable(stream, size, kind) {
-                            Ok(other) => {
-                                self.enter_free(id);
-                                other
-                            }
-                            Err(_) => id,
-                        }
-                    }
-                    None => id,
-                }
-            }
             Some(id) => id,
             None => match self.grow_expandable(stream, size, kind) {
                 Ok(id) => id,
@@ -71,9 +48,13 @@ impl CachingPool {
             .churn
             .tick(self.peak_allocated, self.policy.move_budget)
         {
-            self.shared
-                .churn_level
-                .fetch_max(self.churn.level, Ordering::Relaxed);
+            let level = self.churn.level;
+            let shared = &self.shared.churn_level;
+            if shared.fetch_max(level, Ordering::Relaxed) > level {
+                // a step down (from this pool's last level; another pool's higher one stays)
+                let _ =
+                    shared.compare_exchange(level + 1, level, Ordering::Relaxed, Ordering::Relaxed);
+            }
         }
         match self.ensure_mapped(id, stream) {
             Ok(0) => {
@@ -90,55 +71,6 @@ impl CachingPool {
                 Err(e)
             }
         }
-    }
-
-    /// Whether the first `size` bytes of block `id` hold unmapped pages that moved away in stream
-    /// order after the owner stream's last completed checkpoint: the old mapping of such a
-    /// page may still be in use, so mapping there would wait for the GPU.
-    pub(super) fn settling_under(&mut self, id: u32, size: u64) -> bool {
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let (addr, seg) = {
-            let b = &self.blocks[id as usize];
-            (b.addr, b.segment)
-        };
-        let (base, owner) = {
-            let s = &self.segments[seg as usize];
-            (s.addr, s.stream)
-        };
-        let (p0, p1) = ((addr - base) / page, (addr + size - base).div_ceil(page));
-        let latest = match &self.segments[seg as usize].pages {
-            Some(pages) if !pages.moved.is_empty() => pages
-                .runs(p0, p1, false)
-                .into_iter()
-                .flat_map(|(f, n)| f..f + n)
-                .map(|p| pages.moved_at(p))
-                .max()
-                .unwrap_or(0),
-            _ => return false,
-        };
-        latest > 0 && latest > self.safe_tick(owner)
-    }
-
-    /// The smallest free block of `stream` and `kind` that fits `size` without
-    /// [settling](Self::settling_under) pages, among the few smallest and the largest (the
-    /// segment's never-mapped tail, usually); taken out of the free set.
-    fn settled_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
-        const CANDIDATES: usize = 16;
-        let slot = self.slot_of(stream)?;
-        let index = &self.free[slot][kind as usize];
-        let candidates: Vec<(u64, u32)> = index
-            .at_least(size)
-            .take(CANDIDATES)
-            .chain(index.largest_block())
-            .map(|(bsize, _, id)| (bsize, id))
-            .collect();
-        for (bsize, id) in candidates {
-            if bsize >= size && self.fits(size, bsize) && !self.settling_under(id, size) {
-                self.leave_free(id);
-                return Some(id);
-            }
-        }
-        None
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.
@@ -172,17 +104,6 @@ impl CachingPool {
             }
         }
         None
-    }
-
-    /// The expandable segments (address ranges) of `stream`.
-    fn ranges_of(&self, stream: Stream) -> usize {
-        self.segment_index
-            .values()
-            .filter(|&&s| {
-                let s = &self.segments[s as usize];
-                s.pages.is_some() && s.stream == stream
-            })
-            .count()
     }
 
     /// Address space reserved for one expandable segment.
@@ -272,11 +193,20 @@ impl CachingPool {
             }
             match r {
                 Ok(()) => self.note_mapped(seg, first, n, true),
-                Err(e) if e.is_out_of_memory() => return Err(self.oom_error(size, need)),
-                Err(e) => return Err(e),
+                Err(e) => {
+                    if moving {
+                        let _ = self.vmm().map(|v| v.finish_move(stream));
+                    }
+                    return Err(if e.is_out_of_memory() {
+                        self.oom_error(size, need)
+                    } else {
+                        e
+                    });
+                }
             }
         }
         if let Some(t) = started {
+            let _ = self.vmm().map(|v| v.finish_move(stream));
             self.churn.move_ns += t.elapsed().as_nanos() as u64;
         }
         Ok(need)
@@ -486,11 +416,6 @@ impl CachingPool {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
                     if busy {
-                        // settled once a checkpoint recorded after the next free completes
-                        let tick = self.tick + 1;
-                        if let Some(p) = self.segments[seg as usize].pages.as_mut() {
-                            p.mark_moved(first, first + n, tick);
-                        }
                         self.stats.num_ordered_unmaps += 1;
                     }
                     got += n * page;
@@ -577,9 +502,6 @@ pub(super) struct Pages {
     pub(super) high: u64,
     /// pool tick at which each page (below `high`) was last part of a block being freed
     pub(super) freed: Vec<u64>,
-    /// pool tick after which each page (below `high`) last moved away in stream order (0:
-    /// never; empty until a page does)
-    pub(super) moved: Vec<u64>,
 }
 
 impl Pages {
@@ -589,17 +511,7 @@ impl Pages {
             mapped: 0,
             high: 0,
             freed: Vec::new(),
-            moved: Vec::new(),
         }
-    }
-
-    pub(super) fn moved_at(&self, p: u64) -> u64 {
-        tick_at(&self.moved, p)
-    }
-
-    /// Mark pages `[from, to)` as moved away in stream order, settled after `tick`.
-    pub(super) fn mark_moved(&mut self, from: u64, to: u64, tick: u64) {
-        mark_ticks(&mut self.moved, self.high, from, to, tick);
     }
 
     pub(super) fn set(&mut self, first: u64, n: u64, on: bool) {
@@ -669,16 +581,18 @@ impl Pages {
     }
 }
 
-/// Page moves per window of allocations. Moving pages costs driver calls (about 40 µs per
-/// page and call on an H100) and sometimes a wait for a stream; a workload whose sizes never
+/// Page moves per window of allocations. Moving pages costs driver calls (up to ~50 µs per
+/// page on an H100 where the memory must be mapped afresh, none where it still lingers at the
+/// address: see `resource::page_map`) and sometimes a wait; a workload whose sizes never
 /// settle (random sizes, say) would move pages on a good share of its allocations. Each window
 /// of [`Churn::WINDOW`] allocations in which more than [`Churn::HIGH`] moved pages (and the
 /// peak of allocated bytes did not grow by more than 1%), or in which moving pages took more
 /// than `expandable_move_budget` of the wall time, doubles the
 /// slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the pool is practically
-/// PyTorch's expandable segments: pages are mapped as it grows and kept); `empty_cache` starts
-/// over. Workloads that repeat (training steps) or grow slowly (decoding) stay at the
-/// configured slack.
+/// PyTorch's expandable segments: pages are mapped as it grows and kept). What the time budget
+/// raised, [`Churn::QUIET`] quiet windows in a row (few moves, within budget) halve again, so
+/// a job whose moves got cheap returns to a tighter slack; `empty_cache` starts over. Workloads that
+/// repeat (training steps) or grow slowly (decoding) stay at the configured slack.
 #[derive(Debug, Default)]
 pub(super) struct Churn {
     pub(super) allocs: u32,
@@ -690,14 +604,21 @@ pub(super) struct Churn {
     pub(super) start: Option<Instant>,
     /// time spent moving pages in this window
     pub(super) move_ns: u64,
+    /// windows in a row with few moves that took little time
+    pub(super) quiet: u32,
+    /// the level moves' count raised (sizes that never settle); it stays
+    pub(super) count_level: u32,
+    /// the level moves' time raised (beyond the budget); quiet windows lower it
+    pub(super) cost_level: u32,
 }
 
 impl Churn {
     pub(super) const WINDOW: u32 = 1024;
     pub(super) const HIGH: u32 = 16;
     pub(super) const MAX_LEVEL: u32 = 8;
+    pub(super) const QUIET: u32 = 4;
 
-    /// Count one allocation; true when the level went up. `budget`: the share of wall time
+    /// Count one allocation; true when the level changed. `budget`: the share of wall time
     /// moves may take (0 = no limit).
     #[inline]
     pub(super) fn tick(&mut self, peak_allocated: u64, budget: f64) -> bool {
@@ -712,28 +633,38 @@ impl Churn {
                 .start
                 .map_or(0, |s| now.duration_since(s).as_nanos() as u64);
             let allowed = budget * wall as f64;
-            let costly = budget > 0.0 && self.move_ns as f64 > allowed;
-            if (self.moves > Self::HIGH && !grew) || costly {
+            // (a move that maps while the peak grows pays mostly for the growth, which any
+            // pool pays)
+            let costly = budget > 0.0 && self.move_ns as f64 > allowed && !grew;
+            if costly {
                 // moves that took k times their budget double the slack about log2(k) times
-                // at once (on the H100 a page move costs ~50 µs on the allocating thread,
-                // whatever thread unmaps: the driver serialises page calls), so a job reaches
-                // its level in one window instead of paying for several
-                let over = if costly {
-                    (self.move_ns as f64 / allowed.max(1.0))
-                        .log2()
-                        .ceil()
-                        .max(1.0) as u32
-                } else {
-                    1
-                };
-                self.level = (self.level + over).min(Self::MAX_LEVEL);
+                // at once, so a job reaches its level in one window instead of paying for
+                // several
+                let over = (self.move_ns as f64 / allowed.max(1.0))
+                    .log2()
+                    .ceil()
+                    .max(1.0) as u32;
+                self.cost_level = (self.cost_level + over).min(Self::MAX_LEVEL);
+                self.quiet = 0;
+            } else if self.moves > Self::HIGH && !grew {
+                self.count_level = (self.count_level + 1).min(Self::MAX_LEVEL);
+            } else if self.cost_level > 0 && self.moves <= Self::HIGH {
+                // moves may have got cheaper (the page engine reuses memory that lingers
+                // where it is mapped again): after a few quiet windows, try a lower level (a
+                // costly window sends it back up)
+                self.quiet += 1;
+                if self.quiet >= Self::QUIET {
+                    self.cost_level -= 1;
+                    self.quiet = 0;
+                }
             }
+            self.level = self.count_level.max(self.cost_level);
             self.allocs = 0;
             self.moves = 0;
             self.move_ns = 0;
             self.start = Some(now);
             self.peak = peak_allocated;
         }
-        self.level > before
+        self.level != before
     }
 }

@@ -550,7 +550,12 @@ fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
 #[test]
 fn expandable_stops_moving_pages_when_sizes_never_settle() {
     use crate::workload::RandomLive;
-    let (mut p, dev) = vmm_pool(1 << 40);
+    // the count of moves alone (no time budget: the simulator's moves cost only bookkeeping,
+    // whose time would say nothing about a GPU's)
+    let (mut p, dev) = pool_with(
+        1 << 40,
+        "expandable_segments:True,quick_cache:0,expandable_move_budget:0",
+    );
     let w = RandomLive::standard(3, 60_000);
     let mut live: Vec<u64> = (0..w.live)
         .map(|i| p.allocate(A, w.sizes[i], 256).unwrap().addr)

@@ -14,6 +14,7 @@
 mod forward;
 pub mod host;
 pub mod info;
+pub mod page_map;
 mod registry;
 pub mod sim;
 pub mod visibility;
@@ -208,6 +209,12 @@ pub trait VirtualMemory: Send + Sync {
         let _ = stream;
         self.map(addr, bytes)
     }
+    /// A move of pages for `stream` ([`VirtualMemory::unmap_after`] then one or more
+    /// [`VirtualMemory::map_on`]) is complete: memory it unmapped that no map took is free for
+    /// anyone (beyond a small cap, given back). By default nothing to do.
+    fn finish_move(&self, stream: Stream) {
+        let _ = stream;
+    }
     /// Give back whatever physical memory the resource keeps beyond the mapped pages, once
     /// pending unmaps are done (emptying the cache).
     fn trim(&self) {}
@@ -243,6 +250,11 @@ pub struct VmmCalls {
     /// bytes of physical handles kept unmapped for the next map (not in any pool's reserved
     /// bytes)
     pub spare_bytes: u64,
+    /// pages mapped again where their own handle had stayed mapped since they were unmapped:
+    /// no driver call (see `page_map`)
+    pub reused: u64,
+    /// events recorded for moves in stream order (cuEventRecord, on the caller's thread)
+    pub records: u64,
 }
 
 /// Direct access between devices.

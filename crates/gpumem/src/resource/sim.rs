@@ -8,13 +8,14 @@
 //! mapped into it in 2 MiB pages and counted against the capacity, as on a CUDA device with
 //! cuMemAddressReserve / cuMemCreate / cuMemMap.
 
+use super::page_map::{Evict, MapPlan, PageMap, Release};
 use super::{
     next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
-    VirtualMemory,
+    VirtualMemory, VmmCalls,
 };
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 /// Address granularity of simulated segments.
 pub const SIM_GRANULARITY: u64 = 2 << 20;
@@ -42,17 +43,20 @@ struct SimState {
     syncs: u64,
     /// reserved address ranges: base → bytes
     ranges: FxHashMap<DevPtr, u64>,
-    /// mapped pages (addresses)
-    mapped: FxHashSet<DevPtr>,
+    /// which handle backs which page (see `page_map`: unmapped pages linger)
+    pages: PageMap,
+    next_handle: u64,
+    /// physical handles in existence (counted in `used`)
+    handles: u64,
+    /// map requests
     maps: u64,
+    /// unmap requests
     unmaps: u64,
-    /// pages unmapped in stream order whose old address is still mapped until the lagging
-    /// GPU passes the tick given (their memory went to the stream's next map)
-    settling: FxHashMap<DevPtr, u64>,
-    /// maps that had to wait for such an address
-    settle_waits: u64,
-    /// the earliest tick at which a settling page settles
-    settle_due: u64,
+    /// driver calls a CUDA engine would have made
+    driver: VmmCalls,
+    /// events recorded for pages moved in stream order: (stream, event, tick due)
+    moves: Vec<(u64, usize, u64)>,
+    next_move_event: usize,
 }
 
 /// Counters of what the simulated device was asked to do.
@@ -76,8 +80,8 @@ pub struct SimCounters {
     pub unmaps: u64,
     /// bytes mapped into virtual-memory segments now (included in `used`)
     pub mapped_bytes: u64,
-    /// maps over an address unmapped in stream order whose stream's work had not completed
-    /// (a real device would wait for that work first)
+    /// maps that waited for a stream's work before unmapping an address moved in stream
+    /// order (a real device would wait for that work first)
     pub settle_waits: u64,
 }
 
@@ -102,6 +106,7 @@ impl SimulatedDevice {
                 next_addr: SIM_BASE,
                 next_va: SIM_VA_BASE,
                 auto_complete: true,
+                pages: PageMap::new(SIM_GRANULARITY),
                 ..Default::default()
             }),
         }
@@ -142,10 +147,7 @@ impl SimulatedDevice {
         if s.lag.is_some() && !s.pending.is_empty() {
             s.pending.retain(|_, due| *due > now);
         }
-        if s.settle_due <= now && !s.settling.is_empty() {
-            s.settling.retain(|_, due| *due > now);
-            s.settle_due = s.settling.values().copied().min().unwrap_or(u64::MAX);
-        }
+        s.settle_moves(false);
     }
 
     /// Another process takes (or, with a smaller figure, gives back) memory on the device:
@@ -173,8 +175,8 @@ impl SimulatedDevice {
             syncs: s.syncs,
             maps: s.maps,
             unmaps: s.unmaps,
-            mapped_bytes: s.mapped.len() as u64 * SIM_GRANULARITY,
-            settle_waits: s.settle_waits,
+            mapped_bytes: s.pages.live_pages() as u64 * SIM_GRANULARITY,
+            settle_waits: s.driver.waits,
         }
     }
 
@@ -281,87 +283,213 @@ impl VirtualMemory for SimulatedDevice {
             Some(&b) if b == bytes => {}
             _ => return Err(Error::UnknownPointer { ptr: addr }),
         }
-        if let Some(page) = s.mapped.iter().find(|&&p| p >= addr && p < addr + bytes) {
+        if let Some(page) = (0..bytes / SIM_GRANULARITY)
+            .map(|i| addr + i * SIM_GRANULARITY)
+            .find(|p| s.pages.handle_at(*p).is_some())
+        {
             return Err(Error::InvalidArgument(format!(
                 "simulated release_address of {addr:#x}: page {page:#x} still mapped"
             )));
         }
+        let evict = s.pages.take_lingering_in(addr, bytes);
+        s.evict(&evict, false);
+        s.pages.unmapped_evictions(&evict);
         s.ranges.remove(&addr);
         Ok(())
     }
 
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let mut s = self.state.lock();
-        check_pages(&s, addr, bytes, false)?;
-        if !s.settling.is_empty() {
-            let mut waited = false;
-            let mut page = addr;
-            while page < addr + bytes {
-                waited |= s.settling.remove(&page).is_some();
-                page += SIM_GRANULARITY;
-            }
-            if waited {
-                // the old mapping must go first, after the work that used it
-                s.settle_waits += 1;
-                s.pending.clear();
-                s.settling.clear();
-            }
-        }
-        if (s.used + s.external)
-            .checked_add(bytes)
-            .is_none_or(|u| u > self.capacity)
-        {
-            return Err(Error::ResourceExhausted {
-                resource: "simulated".into(),
-                bytes,
-            });
-        }
-        let mut page = addr;
-        while page < addr + bytes {
-            s.mapped.insert(page);
-            page += SIM_GRANULARITY;
-        }
-        s.used += bytes;
-        s.maps += 1;
-        Ok(())
+        self.map_for(addr, bytes, None)
+    }
+
+    fn map_on(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        self.map_for(addr, bytes, Some(stream.0))
     }
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         let mut s = self.state.lock();
         check_pages(&s, addr, bytes, true)?;
-        let mut page = addr;
-        while page < addr + bytes {
-            s.mapped.remove(&page);
-            page += SIM_GRANULARITY;
-        }
-        s.used -= bytes;
+        let (_, excess) = s.pages.detach(addr, bytes, None, None);
+        s.release(excess);
         s.unmaps += 1;
         Ok(())
     }
 
-    fn unmap_after(&self, addr: DevPtr, bytes: u64, _stream: Stream, busy: bool) -> Result<()> {
-        self.unmap(addr, bytes)?;
+    fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         let mut s = self.state.lock();
-        if let (Some(lag), true) = (s.lag, busy) {
-            let due = s.clock.saturating_add(lag.max(1));
-            let mut page = addr;
-            while page < addr + bytes {
-                s.settling.insert(page, due);
-                page += SIM_GRANULARITY;
+        check_pages(&s, addr, bytes, true)?;
+        // a move in stream order records an event; it completes when the lagging GPU passes
+        let event = match (s.lag, busy) {
+            (Some(lag), true) => {
+                s.next_move_event += 1;
+                let ev = s.next_move_event;
+                let due = s.clock.saturating_add(lag.max(1));
+                s.moves.push((stream.0, ev, due));
+                s.driver.foreground += 1;
+                s.driver.records += 1;
+                Some(ev)
             }
-            s.settle_due = s.settle_due.min(due);
-        }
+            _ => None,
+        };
+        let (_, excess) = s.pages.detach(addr, bytes, Some(stream.0), event);
+        s.release(excess);
+        s.pages.take_idle_events();
+        s.unmaps += 1;
         Ok(())
     }
 
-    fn calls(&self) -> crate::resource::VmmCalls {
+    fn finish_move(&self, stream: Stream) {
+        let mut s = self.state.lock();
+        let excess = s.pages.finish_move(stream.0);
+        s.release(excess);
+    }
+
+    fn trim(&self) {
+        let mut s = self.state.lock();
+        // emptying the cache waits for the moves' work, as the CUDA engine does
+        let pending = s.pages.pending_moves().len() as u64;
+        s.driver.waits += pending;
+        s.settle_moves(true);
+        let spares = s.pages.take_spares();
+        s.release(spares);
+    }
+
+    fn calls(&self) -> VmmCalls {
         let s = self.state.lock();
-        crate::resource::VmmCalls {
-            maps: s.maps,
-            unmaps: s.unmaps,
-            waits: s.settle_waits,
-            ..Default::default()
+        VmmCalls {
+            spare_bytes: s.pages.idle_handles() as u64 * SIM_GRANULARITY,
+            ..s.driver
         }
+    }
+}
+
+impl SimulatedDevice {
+    fn map_for(&self, addr: DevPtr, bytes: u64, stream: Option<u64>) -> Result<()> {
+        let mut s = self.state.lock();
+        check_pages(&s, addr, bytes, false)?;
+        s.settle_moves(false);
+        let plan = s.pages.plan_map(addr, bytes, stream)?;
+        s.evict(&plan.evict, true);
+        s.pages.evicted(&plan);
+        let new = plan.fresh.iter().filter(|f| f.1.is_none()).count() as u64;
+        let room = self.capacity.saturating_sub(s.used + s.external) / SIM_GRANULARITY;
+        if new > room {
+            // what a CUDA engine would have mapped before cuMemCreate failed is unmapped again
+            s.pages.abandon(plan, &[], &[]);
+            return Err(Error::ResourceExhausted {
+                resource: "simulated".into(),
+                bytes,
+            });
+        }
+        let created: Vec<u64> = (0..new)
+            .map(|_| {
+                s.next_handle += 1;
+                s.next_handle
+            })
+            .collect();
+        s.record_map(&plan, new);
+        let excess = s.pages.commit(plan, &created);
+        s.handles += new;
+        s.used += new * SIM_GRANULARITY;
+        s.release(excess);
+        s.maps += 1;
+        Ok(())
+    }
+}
+
+impl SimState {
+    /// Count the calls of a planned map: a create per new handle, a map per fresh page, a
+    /// set-access per run of fresh pages.
+    fn record_map(&mut self, plan: &MapPlan, created: u64) {
+        let fresh = plan.fresh.len() as u64;
+        let mut runs = 0u64;
+        let mut prev: Option<DevPtr> = None;
+        for &(p, _) in &plan.fresh {
+            if prev != Some(p.wrapping_sub(SIM_GRANULARITY)) {
+                runs += 1;
+            }
+            prev = Some(p);
+        }
+        let d = &mut self.driver;
+        d.creates += created;
+        d.maps += fresh;
+        d.set_access += runs;
+        d.reused += plan.reused.len() as u64;
+        d.foreground += created + fresh + runs;
+    }
+
+    /// Unmap lingering pages (on the allocating thread: `foreground`), waiting for the events
+    /// of those whose old work the lagging GPU has not passed.
+    fn evict(&mut self, pages: &[Evict], foreground: bool) {
+        for e in pages {
+            if let Some(ev) = e.event {
+                if self
+                    .moves
+                    .iter()
+                    .any(|&(_, m, due)| m == ev && due > self.clock)
+                {
+                    self.driver.waits += 1;
+                    // the host waited for the GPU to pass that event
+                    let due = self
+                        .moves
+                        .iter()
+                        .find(|&&(_, m, _)| m == ev)
+                        .map_or(0, |m| m.2);
+                    for m in &mut self.moves {
+                        if m.2 <= due {
+                            m.2 = 0;
+                        }
+                    }
+                    self.pending.retain(|_, d| *d > due);
+                }
+            }
+        }
+        let n = pages.len() as u64;
+        self.driver.unmaps += n;
+        if foreground {
+            self.driver.foreground += n;
+        } else {
+            self.driver.background += n;
+        }
+    }
+
+    /// Release handles beyond the spare cap (their lingering pages unmapped first), as the
+    /// CUDA engine's worker does, off the allocating thread.
+    fn release(&mut self, releases: Vec<Release>) {
+        if releases.is_empty() {
+            return;
+        }
+        for r in &releases {
+            self.evict(&r.unmap, false);
+        }
+        let n = releases.len() as u64;
+        self.pages.released(&releases);
+        self.pages.take_idle_events();
+        self.driver.releases += n;
+        self.driver.background += n;
+        self.handles -= n;
+        self.used -= n * SIM_GRANULARITY;
+    }
+
+    /// Handles kept for a stream whose move event the GPU has passed become spare (the CUDA
+    /// engine's worker does this once the event completes); with `all`, every one (the host
+    /// waited for the device).
+    fn settle_moves(&mut self, all: bool) {
+        let now = self.clock;
+        let done: Vec<(u64, usize, u64)> = self
+            .moves
+            .iter()
+            .copied()
+            .filter(|&(_, _, due)| all || due <= now)
+            .collect();
+        if done.is_empty() {
+            return;
+        }
+        self.moves.retain(|&(_, _, due)| !(all || due <= now));
+        for (stream, ev, _) in done {
+            self.pages.settle_kept(stream, Some(ev));
+        }
+        self.pages.take_idle_events();
     }
 }
 
@@ -386,7 +514,7 @@ fn check_pages(s: &SimState, addr: DevPtr, bytes: u64, mapped: bool) -> Result<(
     }
     let mut page = addr;
     while page < addr + bytes {
-        if s.mapped.contains(&page) != mapped {
+        if s.pages.handle_at(page).is_some() != mapped {
             return bad(if mapped {
                 "a page is not mapped"
             } else {
@@ -437,7 +565,7 @@ impl StreamOps for SimulatedDevice {
         // a lagging GPU has caught up once the host waited for it
         if s.lag.is_some() {
             s.pending.clear();
-            s.settling.clear();
+            s.settle_moves(true);
         }
         Ok(())
     }

@@ -5,7 +5,7 @@ use super::{Action, TraceEvent};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::resource::sim::SimulatedDevice;
-use crate::resource::{Backend, Stream};
+use crate::resource::{Backend, Stream, VmmCalls};
 use crate::{Allocation, CachingAllocator};
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -51,32 +51,25 @@ pub struct PolicyReport {
 /// and the cuMemAlloc figures measured with `vmm_micro`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CostModel {
-    /// cuMemCreate of one page, µs, charged for the pages of the reserved peak: the page
-    /// engine keeps handles and a moved page takes a kept one (or, moved in stream order, the
-    /// old page's own)
+    /// cuMemCreate of one page, µs
     pub create_us: f64,
     /// cuMemMap of one page, µs
     pub map_us: f64,
     /// cuMemSetAccess, once per mapped run, µs
     pub set_access_us: f64,
-    /// cuMemUnmap of one page (off the allocating thread), µs
+    /// cuMemUnmap of one page, µs; charged to the allocating thread wherever it runs: the
+    /// driver serialises page calls, so the page worker's unmapping lands on the allocating
+    /// thread's calls (measured with `vmm_micro` on the H100)
     pub unmap_us: f64,
-    /// cuMemRelease of one page (off the allocating thread), µs; charged for none: handles are
-    /// released beyond a small cap only, and when the cache is emptied
+    /// cuMemRelease of one page (off the allocating thread), µs
     pub release_us: f64,
-    /// recording the event a move in stream order waits for (cuEventRecord), µs per run
+    /// recording the event a move in stream order waits for (cuEventRecord), µs
     pub record_us: f64,
-    /// what moving one page costs the allocating thread beyond the calls above, µs: measured
-    /// with `vmm_micro` on the H100 (a move to the same stream, kept handles, unmapping on the
-    /// engine's thread: 49–66 µs per page in all, against ~1 µs of map and 28 µs of set-access
-    /// per run alone): the driver serialises page calls, so the engine thread's unmapping
-    /// lands on the allocating thread's calls. Charged for every page unmapped.
-    pub moved_page_us: f64,
     /// cuMemAlloc or cuMemFree of a classic segment: a fixed part, µs ...
     pub segment_us: f64,
     /// ... and a part per MiB
     pub segment_us_per_mib: f64,
-    /// a host wait for a stream or the device (or, before mapping over an address whose pages
+    /// a host wait for a stream or the device (or, before unmapping an address whose pages
     /// moved in stream order, for that stream's work): the allocating thread stalls until the
     /// GPU has caught up, which a trace does not record; this many µs each
     pub sync_stall_us: f64,
@@ -91,7 +84,6 @@ impl Default for CostModel {
             unmap_us: 18.9,
             release_us: 14.0,
             record_us: 2.0,
-            moved_page_us: 48.0,
             segment_us: 30.0,
             segment_us_per_mib: 0.5,
             sync_stall_us: 1000.0,
@@ -100,23 +92,20 @@ impl Default for CostModel {
 }
 
 impl CostModel {
-    /// (allocating thread, background) µs of the driver work in `stats`, pages of `page` bytes
-    /// where the pool had expandable segments.
-    pub fn cost(&self, stats: &crate::Stats, page: Option<u64>) -> (f64, f64) {
-        let stalls = (stats.num_unmap_syncs + stats.vmm_waits) as f64 * self.sync_stall_us;
-        match page {
-            Some(page) => {
-                let mapped = (stats.mapped_bytes / page) as f64;
-                let unmapped = (stats.unmapped_bytes / page) as f64;
-                let created = stats.reserved_bytes.all.peak.div_ceil(page) as f64;
-                let map_calls = stats.num_device_alloc as f64;
-                let fg = map_calls * self.set_access_us
-                    + mapped * self.map_us
-                    + created.min(mapped) * self.create_us
-                    + stats.num_ordered_unmaps as f64 * self.record_us
-                    + unmapped * self.moved_page_us
+    /// (allocating thread, background) µs of the driver work in `stats`, with the page
+    /// engine's calls `vmm` where the pool had expandable segments.
+    pub fn cost(&self, stats: &crate::Stats, vmm: Option<&VmmCalls>) -> (f64, f64) {
+        let stalls = stats.num_unmap_syncs as f64 * self.sync_stall_us;
+        match vmm {
+            Some(c) => {
+                let fg = c.creates as f64 * self.create_us
+                    + c.maps as f64 * self.map_us
+                    + c.set_access as f64 * self.set_access_us
+                    + c.unmaps as f64 * self.unmap_us
+                    + c.records as f64 * self.record_us
+                    + c.waits as f64 * self.sync_stall_us
                     + stalls;
-                (fg, unmapped * self.unmap_us)
+                (fg, c.releases as f64 * self.release_us)
             }
             None => {
                 // classic segments: every cuMemAlloc and cuMemFree on the allocating thread
@@ -308,10 +297,7 @@ fn replay_passes(
             )));
         }
     }
-    let page = first
-        .virtual_memory()
-        .map(|v| v.page_size())
-        .filter(|_| config.pool.expandable_segments);
+    let paged = first.virtual_memory().is_some() && config.pool.expandable_segments;
     drop(first);
     let start = Instant::now();
     let replayed = run(events, config, backend()?, stream, usize::MAX, |_, _| {})?.0;
@@ -321,7 +307,7 @@ fn replay_passes(
     let mut timeline = Vec::with_capacity(events.len());
     let mut calls = Vec::with_capacity(events.len());
     let mut live = 0u64;
-    let (_, stats, backend_name) = run(
+    let (_, stats, backend_name, vmm) = run(
         events,
         config,
         backend()?,
@@ -335,7 +321,11 @@ fn replay_passes(
                 _ => live = live.saturating_sub(e.size),
             }
             timeline.push((e.time_us, live, s.reserved_bytes.all.current));
-            calls.push(s.num_device_alloc + s.num_device_free);
+            calls.push(if paged {
+                s.vmm_calls_foreground + s.vmm_calls_background
+            } else {
+                s.num_device_alloc + s.num_device_free
+            });
             if s.reserved_bytes.all.current > peak.0 {
                 peak = (s.reserved_bytes.all.current, s.segment.all.current, i);
             }
@@ -350,7 +340,14 @@ fn replay_passes(
         })?;
     }
     let peak_live = recorded(events).peak_live_bytes;
-    let (fg_us, bg_us) = CostModel::default().cost(&stats, page);
+    let vmm = vmm.filter(|_| paged);
+    let (fg_us, bg_us) = CostModel::default().cost(&stats, vmm.as_ref());
+    // driver calls: the page engine's where there is one (a map over pages whose handle
+    // still lingers there makes none), else segment allocations and frees
+    let device_calls = match &vmm {
+        Some(c) => c.foreground + c.background,
+        None => stats.num_device_alloc + stats.num_device_free,
+    };
     Ok(Replay {
         report: PolicyReport {
             name: name.to_string(),
@@ -361,7 +358,7 @@ fn replay_passes(
             segments_at_peak: peak.1,
             largest_free_block_at_peak: at_peak.0,
             ns_per_event,
-            device_calls: stats.num_device_alloc + stats.num_device_free,
+            device_calls,
             unmap_syncs: stats.num_unmap_syncs + stats.vmm_waits,
             critical_path_us: fg_us,
             background_us: bg_us,
@@ -383,14 +380,14 @@ fn run(
     stream: &dyn Fn(u64) -> Stream,
     stop: usize,
     mut after: impl FnMut(&CachingAllocator, usize),
-) -> Result<(u64, crate::Stats, String)> {
+) -> Result<(u64, crate::Stats, String, Option<VmmCalls>)> {
     let mut config = config.clone();
     config.shards = Some(1);
     // a replay has no kernels, hence no clock to hold page moves against: it shows where
     // moving pages takes the memory (see `expandable_move_budget`)
     config.pool.expandable_move_budget = 0.0;
     let backend_name = backend.name().to_string();
-    let alloc = CachingAllocator::new(backend, config)?;
+    let alloc = CachingAllocator::new(backend.clone(), config)?;
     let mut live: FxHashMap<u64, Allocation> = FxHashMap::default();
     let mut replayed = 0u64;
     let mut result = Ok(());
@@ -438,8 +435,9 @@ fn run(
         replayed += 1;
     }
     let stats = alloc.stats();
+    let vmm = backend.virtual_memory().map(|v| v.calls());
     for (_, a) in live {
         alloc.deallocate(a)?;
     }
-    result.map(|()| (replayed, stats, backend_name))
+    result.map(|()| (replayed, stats, backend_name, vmm))
 }

@@ -182,6 +182,12 @@ impl VirtualMemory for CudaDevice {
         self.pages()?.unmap(addr, bytes)
     }
 
+    fn finish_move(&self, stream: Stream) {
+        if let Some(p) = &self.pages {
+            p.finish_move(stream);
+        }
+    }
+
     fn trim(&self) {
         if let (Some(p), Ok(())) = (&self.pages, self.ops.bind()) {
             p.trim();

@@ -1,77 +1,58 @@
 //! Virtual-memory pages of one device, cheap to move (see `shared/notes/vmm-costs.md`: on the
 //! H100 a map costs 1 µs, a set-access 28 µs per call whatever the range, an unmap ~20 µs per
-//! mapping, a create or release 13–50 µs):
+//! mapping, a create or release 13–50 µs).
 //!
-//! - physical handles are kept: an unmapped page's handle goes to a spare list that the next
-//!   map takes from, so moving a page creates and releases nothing (spares beyond a small cap
-//!   are released, off the allocating thread);
-//! - access is set once per mapped range, not per page;
-//! - unmapping runs on a background thread: `unmap` queues the pages and returns. The pool
-//!   only unmaps pages whose work is known complete (events), so the delay is safe; a `map`
-//!   or `release_address` over pages still queued does their unmapping first;
-//! - pages whose work may still be running move in stream order (`unmap_after`): their handles
-//!   are mapped at once at the new address for later work on the same stream (a handle may be
-//!   mapped at two addresses; the stream runs the old work first, as it does for any block a
-//!   caching allocator hands out again), and the old address is unmapped by the worker once an
-//!   event recorded on the stream has completed. So a training step's pages move while the GPU
-//!   is still behind the host, with no wait and no new physical memory.
+//! The bookkeeping is [`PageMap`]'s (pure, shared with the simulator): an unmapped page is
+//! not unmapped at once. Its address keeps its handle mapped ("lingers") and the handle goes
+//! where the next map takes it: kept for the stream that moved it (in stream order: its next
+//! work runs after the old work, as for any block a caching allocator hands out again; a
+//! handle may be mapped at two addresses), or spare once the old work is done. A map at an
+//! address whose own handle still lingers there and is free to take costs no driver call, so
+//! pages moved back and forth between the same addresses (a training step's phases) move for
+//! free after the first time. Otherwise:
+//!
+//! - physical handles are kept: a map takes a kept or spare handle before creating one;
+//!   spares beyond a small cap are released off the allocating thread (their lingering
+//!   addresses unmapped first);
+//! - access is set once per newly mapped run of pages, not per page;
+//! - a lingering address is unmapped only when a map needs it for another handle (after the
+//!   event of its old work, if that has not completed) or when its range is given back;
+//! - the worker thread waits for the events of moves in stream order, after which the handles
+//!   they left are spare, and releases handles beyond the cap.
 //!
 //! Pages are created with the POSIX file-descriptor handle type where the device supports it
 //! (exportable: what IPC and NCCL registration need; it costs the same as no handle type), at
 //! the device's recommended granularity.
 
 use super::*;
+use crate::resource::page_map::{Evict, PageMap, Release};
 use crate::resource::VmmCalls;
 use parking_lot::{Condvar, Mutex};
-use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 type Handle = sys::CUmemGenericAllocationHandle;
 
-/// Spare handles kept for reuse: at least this many pages...
-const MIN_SPARE_PAGES: usize = 8;
-/// ...or this fraction of the mapped pages (1/200 = 0.5%), whichever is more.
-const SPARE_DIVISOR: usize = 200;
-
-/// Consecutive pages queued for unmapping.
+/// Work for the page worker.
 #[derive(Debug)]
-struct Run {
-    start: DevPtr,
-    handles: Vec<Handle>,
-    /// for pages whose work may still run: the event (a `CUevent` as an address) after which
-    /// it is complete
-    event: Option<usize>,
-    /// for pages moved to a stream (`unmap_after`): that stream, whose next map may already
-    /// use their handles
-    alias: Option<u64>,
-}
-
-impl Run {
-    fn len(&self, page: u64) -> u64 {
-        self.handles.len() as u64 * page
-    }
+enum Job {
+    /// handles beyond the spare cap: unmap their lingering addresses, then release them
+    Release(Vec<Release>),
+    /// a move in stream order: once `event` has completed, what `stream` kept is spare
+    Settle { stream: u64, event: usize },
 }
 
 #[derive(Debug, Default)]
 struct State {
-    /// the handle of every mapped page, by address
-    mapped: FxHashMap<DevPtr, Handle>,
-    /// runs queued for unmapping
-    queued: Vec<Run>,
-    /// runs the worker is unmapping now
-    in_flight: Vec<(DevPtr, u64)>,
-    /// unmapped handles kept for the next map
-    spare: Vec<Handle>,
-    /// handles whose old address waits for its stream's work (`unmap_after`), free for that
-    /// stream's next map: stream → handles
-    alias: FxHashMap<u64, Vec<Handle>>,
-    /// per handle, how many of its addresses wait for their stream's work
-    stale: FxHashMap<Handle, u32>,
-    /// idle events for `unmap_after` (as addresses)
+    map: PageMap,
+    /// jobs for the worker
+    queued: Vec<Job>,
+    /// the worker is doing jobs now
+    working: bool,
+    /// idle events (as addresses), for moves in stream order
     events: Vec<usize>,
     /// the worker should stop
     stop: bool,
-    /// the worker thread could not be started: unmap inline
+    /// the worker thread could not be started: jobs run inline
     no_worker: bool,
 }
 
@@ -86,6 +67,8 @@ struct Counters {
     releases_bg: AtomicU64,
     waits: AtomicU64,
     aliased: AtomicU64,
+    reused: AtomicU64,
+    records: AtomicU64,
 }
 
 /// The page engine of one device.
@@ -98,7 +81,7 @@ pub(super) struct Pages {
     state: Mutex<State>,
     /// wakes the worker
     wake: Condvar,
-    /// signalled when queued runs are done
+    /// signalled when the worker finished a job
     done: Condvar,
     counters: Counters,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -168,7 +151,10 @@ impl Pages {
             ordinal,
             page,
             prop: PropHolder(prop(ordinal, handle_type)),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                map: PageMap::new(page),
+                ..State::default()
+            }),
             wake: Condvar::new(),
             done: Condvar::new(),
             counters: Counters::default(),
@@ -181,7 +167,7 @@ impl Pages {
         match spawned {
             Ok(h) => *pages.worker.lock() = Some(h),
             Err(e) => {
-                tracing::warn!("gpumem: no page worker ({e}): pages are unmapped inline");
+                tracing::warn!("gpumem: no page worker ({e}): pages are released inline");
                 pages.state.lock().no_worker = true;
             }
         }
@@ -192,24 +178,22 @@ impl Pages {
         self.page
     }
 
-    /// The mapped pages' addresses (for granting a peer access to all of them).
+    /// Every address that maps a handle, in use or lingering (for granting a peer access).
     pub(super) fn mapped_pages(&self) -> Vec<DevPtr> {
-        self.state.lock().mapped.keys().copied().collect()
+        self.state.lock().map.mapped_addresses()
     }
 
     pub(super) fn calls(&self) -> VmmCalls {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let spare = {
-            let st = self.state.lock();
-            (st.spare.len() + st.alias.values().map(Vec::len).sum::<usize>()) as u64
-        };
+        let idle = self.state.lock().map.idle_handles() as u64;
         VmmCalls {
             foreground: get(&c.creates)
                 + get(&c.maps)
                 + get(&c.set_access)
                 + get(&c.unmaps_fg)
-                + get(&c.releases_fg),
+                + get(&c.releases_fg)
+                + get(&c.records),
             background: get(&c.unmaps_bg) + get(&c.releases_bg),
             creates: get(&c.creates),
             maps: get(&c.maps),
@@ -218,13 +202,17 @@ impl Pages {
             releases: get(&c.releases_fg) + get(&c.releases_bg),
             waits: get(&c.waits),
             aliased: get(&c.aliased),
-            spare_bytes: spare * self.page,
+            spare_bytes: idle * self.page,
+            reused: get(&c.reused),
+            records: get(&c.records),
         }
     }
 
-    /// Map `[addr, addr + bytes)` (page-aligned, unmapped) for work on `stream` with handles
-    /// that stream's `unmap_after` left, kept ones or new ones, then set access for the whole
-    /// range once (this device and `peers`). All or nothing.
+    /// Map `[addr, addr + bytes)` (page-aligned, not in use) for work on `stream`: pages whose
+    /// own handle still lingers there and may be taken are in use again with no call; the rest
+    /// get a handle that stream's moves left, a spare or a new one (after unmapping whatever
+    /// lingers there), and access is set once per run of them (this device and `peers`).
+    /// All or nothing.
     pub(super) fn map(
         &self,
         addr: DevPtr,
@@ -233,35 +221,34 @@ impl Pages {
         stream: Option<Stream>,
     ) -> Result<()> {
         let page = self.page;
-        let n = (bytes / page) as usize;
-        let mut handles = {
+        let plan = {
             let mut st = self.state.lock();
-            self.settle(&mut st, addr, bytes);
-            if let Some(p) = (0..n as u64)
-                .map(|i| addr + i * page)
-                .find(|p| st.mapped.contains_key(p))
-            {
-                return Err(Error::InvalidState(format!(
-                    "page {p:#x} is already mapped"
-                )));
+            // pages the worker is unmapping now (released handles) must be gone first
+            while st.map.unmapping_in(addr, bytes) {
+                self.counters.waits.fetch_add(1, Ordering::Relaxed);
+                self.done.wait(&mut st);
             }
-            let mut handles = Vec::with_capacity(n);
-            if let Some(list) = stream.and_then(|s| st.alias.get_mut(&s.0)) {
-                let keep = list.len().saturating_sub(n);
-                handles = list.split_off(keep);
-                self.counters
-                    .aliased
-                    .fetch_add(handles.len() as u64, Ordering::Relaxed);
-            }
-            let keep = st.spare.len().saturating_sub(n - handles.len());
-            handles.extend(st.spare.split_off(keep));
-            handles
+            st.map.plan_map(addr, bytes, stream.map(|s| s.0))?
         };
-        let mut mapped = 0usize;
+        self.counters
+            .reused
+            .fetch_add(plan.reused.len() as u64, Ordering::Relaxed);
+        self.counters.aliased.fetch_add(
+            plan.fresh.iter().filter(|f| f.1.is_some()).count() as u64,
+            Ordering::Relaxed,
+        );
+        if !plan.evict.is_empty() {
+            self.unmap_pages(&plan.evict, false);
+            let mut st = self.state.lock();
+            st.map.evicted(&plan);
+            self.recycle_events(&mut st);
+        }
+        let mut created = Vec::new();
+        let mut mapped: Vec<(DevPtr, Handle)> = Vec::with_capacity(plan.fresh.len());
         let mut failed = None;
-        while mapped < n {
-            let h = match handles.get(mapped) {
-                Some(&h) => h,
+        for &(p, h) in &plan.fresh {
+            let h = match h {
+                Some(h) => h,
                 None => {
                     let mut h: Handle = 0;
                     // SAFETY: `prop` is initialised; `h` is a valid out-pointer.
@@ -271,49 +258,42 @@ impl Pages {
                         failed = Some(alloc_err("cuMemCreate", page as usize, "cuMemCreate", e));
                         break;
                     }
-                    handles.push(h);
+                    created.push(h);
                     h
                 }
             };
-            let p = addr + mapped as u64 * page;
-            // SAFETY: `p` is an unmapped page of reserved address space (checked above and
-            // settled) and `h` a handle of one page mapped at no live address (one from
-            // `unmap_after` may still be mapped at its old address, which only older work of
-            // the same stream uses: a handle may be mapped at several addresses).
+            // SAFETY: `p` is a page of reserved address space with nothing mapped (the plan
+            // unmapped what lingered there) and `h` a handle of one page that no live page
+            // uses (it may linger at other addresses: a handle may be mapped at several).
             let r = unsafe { sys::cuMemMap(p, page as usize, 0, h, 0) };
             self.counters.maps.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = r.result() {
                 failed = Some(cuda_err("cuMemMap", e));
                 break;
             }
-            mapped += 1;
+            mapped.push((p, h));
         }
         if failed.is_none() {
-            if let Err(e) = self.set_access(addr, bytes, peers) {
-                failed = Some(e);
+            for (start, n) in runs(mapped.iter().map(|m| m.0), page) {
+                if let Err(e) = self.set_access(start, n * page, peers) {
+                    failed = Some(e);
+                    break;
+                }
             }
         }
         if let Some(e) = failed {
-            // all or nothing: unmap what this call mapped; handles go back where they came
-            // from (one still mapped at an address waiting for its stream stays that stream's)
-            if mapped > 0 {
-                // SAFETY: the pages were mapped just now by this call and are unused.
-                let _ = unsafe { sys::cuMemUnmap(addr, mapped * page as usize) };
+            // all or nothing: unmap what this call mapped (access may not be set there);
+            // handles go back where they came from
+            for &(p, _) in &mapped {
+                // SAFETY: mapped just now by this call and unused.
+                let _ = unsafe { sys::cuMemUnmap(p, page as usize) };
                 self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
             }
-            let mut st = self.state.lock();
-            for h in handles {
-                match stream.filter(|_| st.stale.contains_key(&h)) {
-                    Some(s) => st.alias.entry(s.0).or_default().push(h),
-                    None => st.spare.push(h),
-                }
-            }
+            self.state.lock().map.abandon(plan, &[], &created);
             return Err(e);
         }
-        let mut st = self.state.lock();
-        for (i, h) in handles.into_iter().enumerate() {
-            st.mapped.insert(addr + i as u64 * page, h);
-        }
+        let excess = self.state.lock().map.commit(plan, &created);
+        self.release_later(excess);
         Ok(())
     }
 
@@ -338,7 +318,7 @@ impl Pages {
         let st = self.state.lock();
         let mut fds = Vec::with_capacity((bytes / self.page) as usize);
         for p in (addr..addr + bytes).step_by(self.page as usize) {
-            let h = *st.mapped.get(&p).ok_or_else(|| {
+            let h = st.map.handle_at(p).ok_or_else(|| {
                 Error::InvalidArgument(format!("page {p:#x} is not mapped: nothing to export"))
             })?;
             let mut fd: i32 = -1;
@@ -376,48 +356,19 @@ impl Pages {
             .map_err(|e| cuda_err("cuMemSetAccess", e))
     }
 
-    /// Queue the mapped pages of `[addr, addr + bytes)` for unmapping on the worker and return.
-    /// The caller has made sure no queued work still touches them.
+    /// Take the pages of `[addr, addr + bytes)` out of use; no queued work touches them (the
+    /// caller's contract). No driver call: the addresses linger, the handles are spare.
     pub(super) fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let mut st = self.state.lock();
-        let runs = self.take_runs(&mut st, addr, bytes, None, None);
-        self.enqueue(st, runs);
+        let excess = self.state.lock().map.detach(addr, bytes, None, None).1;
+        self.release_later(excess);
         Ok(())
     }
 
-    /// Hand `runs` to the worker, or unmap them here where there is none.
-    fn enqueue(&self, mut st: parking_lot::MutexGuard<'_, State>, runs: Vec<Run>) {
-        if st.no_worker {
-            drop(st);
-            for run in runs {
-                self.finish(run, false);
-            }
-            return;
-        }
-        st.queued.extend(runs);
-        self.wake.notify_one();
-    }
-
-    /// An event recorded now on `stream` (an idle one of ours, or a new one).
-    fn record_event(&self, st: &mut State, stream: u64) -> Result<usize> {
-        let ev = match st.events.pop() {
-            Some(ev) => ev as sys::CUevent,
-            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| cuda_err("cuEventCreate", e))?,
-        };
-        // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
-        if let Err(e) = unsafe { result::event::record(ev, raw(Stream(stream))) } {
-            st.events.push(ev as usize);
-            return Err(cuda_err("cuEventRecord", e));
-        }
-        Ok(ev as usize)
-    }
-
-    /// Move the mapped pages of `[addr, addr + bytes)` to `stream`: their handles are free at
-    /// once for `stream`'s next map, and the addresses are unmapped by the worker. With `busy`,
-    /// only work on `stream` has used the pages and some may still be queued: the next map's
-    /// work runs after it (stream order), and the addresses are unmapped once an event recorded
-    /// on `stream` now has completed. Without, the pages are idle and are unmapped at once.
+    /// Move the pages of `[addr, addr + bytes)` to `stream`: their handles are free at once
+    /// for `stream`'s next map, and their addresses linger. With `busy`, only work on `stream`
+    /// has used the pages and some may still be queued: the handles stay `stream`'s until an
+    /// event recorded on it now has completed (the worker watches it), and the addresses are
+    /// unmapped (if they ever need to be) only after it. Without, the pages are idle.
     pub(super) fn unmap_after(
         &self,
         addr: DevPtr,
@@ -431,112 +382,128 @@ impl Pages {
         } else {
             None
         };
-        let runs = self.take_runs(&mut st, addr, bytes, ev, Some(stream.0));
-        if runs.is_empty() {
-            st.events.extend(ev);
-            return Ok(());
+        let (n, excess) = st.map.detach(addr, bytes, Some(stream.0), ev);
+        self.recycle_events(&mut st);
+        // idle pages' handles are spare once the move is finished (its maps take them first)
+        if let (Some(event), true) = (ev, n > 0) {
+            self.enqueue(
+                st,
+                Job::Settle {
+                    stream: stream.0,
+                    event,
+                },
+            );
+        } else {
+            drop(st);
         }
-        for run in &runs {
-            for &h in &run.handles {
-                *st.stale.entry(h).or_default() += 1;
-            }
-            st.alias
-                .entry(stream.0)
-                .or_default()
-                .extend_from_slice(&run.handles);
-        }
-        self.enqueue(st, runs);
+        self.release_later(excess);
         Ok(())
     }
 
-    /// Take the mapped pages of `[addr, addr + bytes)` out of the mapped set, as runs.
-    fn take_runs(
-        &self,
-        st: &mut State,
-        addr: DevPtr,
-        bytes: u64,
-        event: Option<usize>,
-        alias: Option<u64>,
-    ) -> Vec<Run> {
-        let page = self.page;
-        let mut p = addr;
-        let mut run: Option<Run> = None;
-        let mut runs = Vec::new();
-        let new = |start, h| Run {
-            start,
-            handles: vec![h],
-            event,
-            alias,
-        };
-        while p < addr + bytes {
-            match st.mapped.remove(&p) {
-                Some(h) => match run.as_mut() {
-                    Some(r) if r.start + r.len(page) == p => r.handles.push(h),
-                    _ => runs.extend(run.replace(new(p, h))),
-                },
-                None => runs.extend(run.take()),
-            }
-            p += page;
-        }
-        runs.extend(run);
-        // the runs after the first wait for the same work: give each an event of its own
-        // (rare: the pool unmaps one run per call); where none can be recorded, wait here for
-        // the first event, after which that run is idle
-        if let (Some(first), Some(stream)) = (event, alias) {
-            for r in runs.iter_mut().skip(1) {
-                r.event = match self.record_event(st, stream) {
-                    Ok(ev) => Some(ev),
-                    Err(_) => {
-                        self.wait_event(first, false);
-                        None
-                    }
-                };
-            }
-        }
-        runs
+    /// A move for `stream` is done: what it unmapped and did not map again is spare.
+    pub(super) fn finish_move(&self, stream: Stream) {
+        let excess = self.state.lock().map.finish_move(stream.0);
+        self.release_later(excess);
     }
 
-    /// Unmap a run taken off the queue (waiting for its event first, if it has one) and put
-    /// its handles where they belong: a handle still mapped at another address waiting for
-    /// its stream stays where it is; one that `unmap_after` left for its stream and that
-    /// nobody mapped again becomes a spare once none of its addresses waits; the rest (pages
-    /// that were mapped and idle) become spares.
-    fn finish(&self, run: Run, background: bool) {
-        if let Some(ev) = run.event {
-            self.wait_event(ev, background);
+    /// Run `job` on the worker, or here where there is none.
+    fn enqueue(&self, mut st: parking_lot::MutexGuard<'_, State>, job: Job) {
+        if st.no_worker {
+            drop(st);
+            self.run(job, false);
+            return;
         }
-        self.unmap_run(run.start, &run.handles, background);
-        let spare = match run.alias {
-            None => run.handles,
-            Some(stream) => {
+        st.queued.push(job);
+        self.wake.notify_one();
+    }
+
+    /// Release handles beyond the cap, on the worker.
+    fn release_later(&self, excess: Vec<Release>) {
+        if !excess.is_empty() {
+            let st = self.state.lock();
+            self.enqueue(st, Job::Release(excess));
+        }
+    }
+
+    fn run(&self, job: Job, background: bool) {
+        match job {
+            Job::Release(rs) => self.release(rs, background),
+            Job::Settle { stream, event } => {
+                self.wait_event(event, background);
                 let mut st = self.state.lock();
-                st.events.extend(run.event);
-                let mut spare = Vec::new();
-                for h in run.handles {
-                    let left = match st.stale.get_mut(&h) {
-                        Some(n) => {
-                            *n -= 1;
-                            *n
-                        }
-                        None => 0,
-                    };
-                    if left > 0 {
-                        continue;
-                    }
-                    st.stale.remove(&h);
-                    // not mapped again: it was this stream's to map; now anyone's
-                    if let Some(list) = st.alias.get_mut(&stream) {
-                        if let Some(i) = list.iter().position(|&x| x == h) {
-                            list.swap_remove(i);
-                            spare.push(h);
-                        }
-                    }
-                }
-                spare
+                st.map.settle_kept(stream, Some(event));
+                self.recycle_events(&mut st);
             }
+        }
+    }
+
+    /// Unmap the lingering addresses of `rs` (after their events), then release the handles.
+    fn release(&self, rs: Vec<Release>, background: bool) {
+        for r in &rs {
+            self.unmap_pages(&r.unmap, background);
+        }
+        let c = if background {
+            &self.counters.releases_bg
+        } else {
+            &self.counters.releases_fg
         };
-        if !spare.is_empty() {
-            self.keep_or_release(spare, background);
+        for r in &rs {
+            // SAFETY: the handle is no live page's, and every address it was mapped at has
+            // just been unmapped: it is owned by us alone.
+            let _ = unsafe { sys::cuMemRelease(r.handle) };
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut st = self.state.lock();
+        st.map.released(&rs);
+        self.recycle_events(&mut st);
+        drop(st);
+        self.done.notify_all();
+    }
+
+    /// Events the map no longer refers to go back to the idle list.
+    fn recycle_events(&self, st: &mut State) {
+        let idle = st.map.take_idle_events();
+        st.events.extend(idle);
+    }
+
+    /// An event recorded now on `stream` (an idle one of ours, or a new one).
+    fn record_event(&self, st: &mut State, stream: u64) -> Result<usize> {
+        let ev = match st.events.pop() {
+            Some(ev) => ev as sys::CUevent,
+            None => result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| cuda_err("cuEventCreate", e))?,
+        };
+        self.counters.records.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `ev` is ours and idle; the stream is the caller's live stream.
+        if let Err(e) = unsafe { result::event::record(ev, raw(Stream(stream))) } {
+            st.events.push(ev as usize);
+            return Err(cuda_err("cuEventRecord", e));
+        }
+        Ok(ev as usize)
+    }
+
+    /// Unmap lingering pages (each after its event, if it has one).
+    fn unmap_pages(&self, pages: &[Evict], background: bool) {
+        for e in pages {
+            if let Some(ev) = e.event {
+                self.wait_event(ev, background);
+            }
+        }
+        let c = if background {
+            &self.counters.unmaps_bg
+        } else {
+            &self.counters.unmaps_fg
+        };
+        for (start, n) in runs(pages.iter().map(|e| e.addr), self.page) {
+            // one call per run of adjacent pages (unmapping is paid per mapping anyway)
+            // SAFETY: the pages lingered (mapped, in no live block) and their old work is
+            // complete (waited for above, or known idle); the map took them out under its lock
+            // and marked them as being unmapped, so nothing maps there meanwhile.
+            let r = unsafe { sys::cuMemUnmap(start, (n * self.page) as usize) };
+            c.fetch_add(n, Ordering::Relaxed);
+            if let Err(e) = r.result() {
+                tracing::warn!("gpumem: cuMemUnmap of {start:#x} failed: {e:?}");
+            }
         }
     }
 
@@ -544,16 +511,16 @@ impl Pages {
     /// spinning), synchronised elsewhere.
     fn wait_event(&self, ev: usize, background: bool) {
         let ev = ev as sys::CUevent;
-        if background {
-            loop {
-                // SAFETY: `ev` was recorded by `unmap_after` and is destroyed only by us.
-                match unsafe { result::event::query(ev) } {
-                    Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {
-                        std::thread::sleep(std::time::Duration::from_micros(50))
-                    }
-                    _ => return,
-                }
+        loop {
+            // SAFETY: `ev` was recorded by `unmap_after` and is destroyed only by us.
+            match unsafe { result::event::query(ev) } {
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                _ => return,
             }
+            if !background {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
         }
         self.counters.waits.fetch_add(1, Ordering::Relaxed);
         // SAFETY: as above.
@@ -562,91 +529,51 @@ impl Pages {
         }
     }
 
-    /// Before `[addr, addr + bytes)` is mapped or released: unmap its queued runs here (taking
-    /// them from the worker) and wait for the ones the worker is unmapping now.
-    fn settle(&self, st: &mut parking_lot::MutexGuard<'_, State>, addr: DevPtr, bytes: u64) {
-        let overlaps = |start: DevPtr, len: u64| start < addr + bytes && addr < start + len;
-        let page = self.page;
-        let mine: Vec<Run> = {
-            let (mine, rest) = std::mem::take(&mut st.queued)
-                .into_iter()
-                .partition(|r| overlaps(r.start, r.len(page)));
-            st.queued = rest;
-            mine
-        };
-        if !mine.is_empty() {
-            parking_lot::MutexGuard::unlocked(st, || {
-                for run in mine {
-                    self.finish(run, false);
-                }
-            });
-        }
-        while st.in_flight.iter().any(|&(s, len)| overlaps(s, len)) {
-            self.counters.waits.fetch_add(1, Ordering::Relaxed);
-            self.done.wait(st);
-        }
-    }
-
-    /// Wait until nothing overlapping `[addr, addr + bytes)` is queued or being unmapped.
+    /// Before `[addr, addr + bytes)` is given back: unmap what lingers there and wait for the
+    /// worker's unmapping of pages in it.
     pub(super) fn flush(&self, addr: DevPtr, bytes: u64) {
+        let evict = self.state.lock().map.take_lingering_in(addr, bytes);
+        if !evict.is_empty() {
+            self.unmap_pages(&evict, false);
+        }
         let mut st = self.state.lock();
-        self.settle(&mut st, addr, bytes);
+        st.map.unmapped_evictions(&evict);
+        self.recycle_events(&mut st);
+        while st.map.unmapping_in(addr, bytes) {
+            self.done.wait(&mut st);
+        }
     }
 
-    /// Wait for every queued unmap, then release every spare handle (emptying the cache).
+    /// Release every spare handle (emptying the cache), their lingering addresses unmapped
+    /// first, after waiting for the work of moves in stream order (whose handles are then
+    /// spare too).
     pub(super) fn trim(&self) {
-        let spare = {
+        // the worker's jobs first (releases it was given are memory to give back now)
+        {
             let mut st = self.state.lock();
-            self.settle(&mut st, 0, u64::MAX);
-            std::mem::take(&mut st.spare)
-        };
-        for h in spare {
-            // SAFETY: spare handles are unmapped and owned by us alone.
-            let _ = unsafe { sys::cuMemRelease(h) };
-            self.counters.releases_fg.fetch_add(1, Ordering::Relaxed);
+            let jobs = std::mem::take(&mut st.queued);
+            if !jobs.is_empty() {
+                drop(st);
+                for job in jobs {
+                    self.run(job, false);
+                }
+                st = self.state.lock();
+            }
+            while st.working {
+                self.done.wait(&mut st);
+            }
         }
-    }
-
-    fn unmap_run(&self, start: DevPtr, hs: &[Handle], background: bool) {
-        // one call over the run (unmapping is paid per mapping whatever the call covers)
-        // SAFETY: the run's pages were mapped by `map` with these handles and left the mapped
-        // set when queued; their work is complete (the pool's contract for `unmap`).
-        let r = unsafe { sys::cuMemUnmap(start, hs.len() * self.page as usize) };
-        let c = if background {
-            &self.counters.unmaps_bg
-        } else {
-            &self.counters.unmaps_fg
-        };
-        c.fetch_add(hs.len() as u64, Ordering::Relaxed);
-        if let Err(e) = r.result() {
-            tracing::warn!("gpumem: cuMemUnmap of {start:#x} failed: {e:?}");
-        }
-    }
-
-    /// Keep `hs` as spares up to the cap; release the rest.
-    fn keep_or_release(&self, hs: Vec<Handle>, background: bool) {
-        let extra = {
+        // moves in stream order: wait for their work, then their handles are spare too
+        let pending = self.state.lock().map.pending_moves();
+        for (stream, ev) in pending {
+            self.wait_event(ev, false);
             let mut st = self.state.lock();
-            let cap = MIN_SPARE_PAGES.max(st.mapped.len() / SPARE_DIVISOR);
-            st.spare.extend(hs);
-            let keep = st.spare.len().min(cap);
-            let extra = st.spare.split_off(keep);
-            // a handle still mapped at an address that waits for its stream is kept until
-            // that address is unmapped (released, its identity could be reused meanwhile)
-            let (stale, extra): (Vec<Handle>, Vec<Handle>) =
-                extra.into_iter().partition(|h| st.stale.contains_key(h));
-            st.spare.extend(stale);
-            extra
-        };
-        let c = if background {
-            &self.counters.releases_bg
-        } else {
-            &self.counters.releases_fg
-        };
-        for h in extra {
-            // SAFETY: the handle is unmapped and owned by us alone.
-            let _ = unsafe { sys::cuMemRelease(h) };
-            c.fetch_add(1, Ordering::Relaxed);
+            st.map.settle_kept(stream, Some(ev));
+            self.recycle_events(&mut st);
+        }
+        let spares = self.state.lock().map.take_spares();
+        if !spares.is_empty() {
+            self.release(spares, false);
         }
     }
 
@@ -660,37 +587,72 @@ impl Pages {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
-        let queued = std::mem::take(&mut self.state.lock().queued);
-        for run in queued {
-            self.finish(run, false);
-        }
-        let mapped = std::mem::take(&mut self.state.lock().mapped);
-        for (p, h) in mapped {
-            self.unmap_run(p, &[h], false);
-            if !self.state.lock().stale.contains_key(&h) {
-                self.keep_or_release(vec![h], false);
+        // the work that used the pages must be done before they go
+        // SAFETY: the context is current on this thread (bound above).
+        let _ = unsafe { sys::cuCtxSynchronize() };
+        let (queued, events, (live, linger, handles)) = {
+            let mut st = self.state.lock();
+            let queued = std::mem::take(&mut st.queued);
+            let all = st.map.take_all();
+            let mut events = std::mem::take(&mut st.events);
+            events.extend(st.map.take_idle_events());
+            (queued, events, all)
+        };
+        let mut events = events;
+        for job in queued {
+            match job {
+                // the handles are in `handles` already; their addresses are unmapped below
+                Job::Release(rs) => {
+                    for r in rs {
+                        for e in r.unmap {
+                            self.unmap_one(e.addr);
+                        }
+                    }
+                }
+                Job::Settle { event, .. } => events.push(event),
             }
         }
-        self.trim();
-        let mut st = self.state.lock();
-        // every address waiting for a stream is unmapped by now: nothing is left aliased
-        debug_assert!(st.stale.is_empty(), "stale mappings left at shutdown");
-        let left: Vec<Handle> = st.alias.drain().flat_map(|(_, hs)| hs).collect();
-        let events = std::mem::take(&mut st.events);
-        drop(st);
-        for h in left {
-            // SAFETY: unmapped (every run was finished above) and owned by us alone.
-            let _ = unsafe { sys::cuMemRelease(h) };
+        for &(p, _) in &live {
+            self.unmap_one(p);
         }
+        for p in linger {
+            self.unmap_one(p);
+        }
+        for h in handles {
+            // SAFETY: every address of the engine is unmapped above; the handle is ours.
+            let _ = unsafe { sys::cuMemRelease(h) };
+            self.counters.releases_fg.fetch_add(1, Ordering::Relaxed);
+        }
+        events.sort_unstable();
+        events.dedup();
         for ev in events {
-            // SAFETY: idle events owned by the engine.
+            // SAFETY: events owned by the engine, idle after the synchronisation above.
             let _ = unsafe { result::event::destroy(ev as sys::CUevent) };
         }
     }
+
+    fn unmap_one(&self, p: DevPtr) {
+        // SAFETY: shutting down after a context synchronisation: nothing uses the page.
+        let _ = unsafe { sys::cuMemUnmap(p, self.page as usize) };
+        self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
-/// The worker: unmaps queued runs, keeps their handles as spares (releasing beyond the cap).
-/// It holds only a weak reference, so dropping the device ends it.
+/// Runs `(start, pages)` of adjacent pages among `addrs` (in the order given).
+fn runs(addrs: impl Iterator<Item = DevPtr>, page: u64) -> Vec<(DevPtr, u64)> {
+    let mut out: Vec<(DevPtr, u64)> = Vec::new();
+    for a in addrs {
+        match out.last_mut() {
+            Some((s, n)) if *s + *n * page == a => *n += 1,
+            _ => out.push((a, 1)),
+        }
+    }
+    out
+}
+
+/// The worker: waits for the events of moves in stream order (then their handles are spare)
+/// and releases handles beyond the spare cap. It holds only a weak reference, so dropping the
+/// device ends it.
 fn worker(pages: std::sync::Weak<Pages>) {
     let Some(p) = pages.upgrade() else {
         return;
@@ -717,29 +679,17 @@ fn worker(pages: std::sync::Weak<Pages>) {
             if st.stop {
                 return;
             }
-            // idle pages first: a run waiting for its stream must not hold them up
-            let batch = std::mem::take(&mut st.queued);
-            st.in_flight = batch.iter().map(|r| (r.start, r.len(p.page))).collect();
-            batch
+            st.working = true;
+            std::mem::take(&mut st.queued)
         };
-        let (waiting, idle): (Vec<Run>, Vec<Run>) =
-            batch.into_iter().partition(|r| r.event.is_some());
-        let mut handles = Vec::new();
-        for run in idle {
-            if run.alias.is_some() {
-                p.finish(run, true);
-            } else {
-                p.unmap_run(run.start, &run.handles, true);
-                handles.extend(run.handles);
-            }
+        // releases first: a settle may wait for a long kernel
+        let (release, settle): (Vec<Job>, Vec<Job>) = batch
+            .into_iter()
+            .partition(|j| matches!(j, Job::Release(_)));
+        for job in release.into_iter().chain(settle) {
+            p.run(job, true);
         }
-        if !handles.is_empty() {
-            p.keep_or_release(handles, true);
-        }
-        for run in waiting {
-            p.finish(run, true);
-        }
-        p.state.lock().in_flight.clear();
+        p.state.lock().working = false;
         p.done.notify_all();
     }
 }
