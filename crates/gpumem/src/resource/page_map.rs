@@ -103,8 +103,12 @@ pub struct PageMap {
     spare_count: usize,
     /// per stream, handles kept for it (stale entries skipped, as above)
     kept: FxHashMap<u64, Vec<Hid>>,
+    /// per stream and move event, the handles kept until it (stale entries skipped)
+    kept_by: FxHashMap<(u64, Option<Ev>), Vec<Hid>>,
     /// events still referenced (by kept handles or lingering pages) → references
     events: FxHashMap<Ev, u32>,
+    /// event → pages that lingered with it (entries whose page no longer does are skipped)
+    by_event: FxHashMap<Ev, Vec<DevPtr>>,
     /// events no longer referenced, for the engine to recycle
     idle_events: Vec<Ev>,
     /// pages being unmapped outside the lock (a map there must wait)
@@ -130,7 +134,9 @@ impl PageMap {
             spare: std::collections::VecDeque::new(),
             spare_count: 0,
             kept: FxHashMap::default(),
+            kept_by: FxHashMap::default(),
             events: FxHashMap::default(),
+            by_event: FxHashMap::default(),
             idle_events: Vec::new(),
             unmapping: FxHashMap::default(),
         }
@@ -159,6 +165,15 @@ impl PageMap {
     /// The handle of live page `addr`.
     pub fn handle_at(&self, addr: DevPtr) -> Option<Hid> {
         self.live.get(&addr).copied()
+    }
+
+    /// A live page in `[addr, addr + bytes)`, if any.
+    pub fn live_in(&self, addr: DevPtr, bytes: u64) -> Option<DevPtr> {
+        self.live
+            .keys()
+            .copied()
+            .filter(|&p| p >= addr && p < addr + bytes)
+            .min()
     }
 
     /// Every address that maps a handle (live or lingering): what a new peer needs access to.
@@ -215,6 +230,7 @@ impl PageMap {
             *n -= 1;
             if *n == 0 {
                 self.events.remove(&ev);
+                self.by_event.remove(&ev);
                 self.idle_events.push(ev);
             }
         }
@@ -246,6 +262,13 @@ impl PageMap {
             self.spare_count -= 1;
         }
         Some(a)
+    }
+
+    fn keep(&mut self, h: Hid, stream: u64, event: Option<Ev>) {
+        self.avail.insert(h, Avail::Kept { stream, event });
+        self.kept.entry(stream).or_default().push(h);
+        self.kept_by.entry((stream, event)).or_default().push(h);
+        self.hold(event, 1);
     }
 
     fn put_spare(&mut self, h: Hid) {
@@ -383,14 +406,9 @@ impl PageMap {
         let kept: FxHashMap<Hid, Option<Ev>> = plan.from_kept.iter().copied().collect();
         let give_back = |m: &mut Self, h: Hid| match (kept.get(&h), plan.stream) {
             (Some(&ev), Some(s)) => {
-                m.avail.insert(
-                    h,
-                    Avail::Kept {
-                        stream: s,
-                        event: ev,
-                    },
-                );
-                m.kept.entry(s).or_default().push(h);
+                m.keep(h, s, ev);
+                // the plan held the handle's reference: it went back with it
+                m.drop_ref(ev);
             }
             _ => m.put_spare(h),
         };
@@ -447,12 +465,11 @@ impl PageMap {
             n += 1;
             self.linger.insert(p, Linger { handle: h, event });
             self.at.entry(h).or_default().push(p);
+            if let Some(ev) = event {
+                self.by_event.entry(ev).or_default().push(p);
+            }
             match stream {
-                Some(s) => {
-                    self.avail.insert(h, Avail::Kept { stream: s, event });
-                    self.kept.entry(s).or_default().push(h);
-                    self.hold(event, 1);
-                }
+                Some(s) => self.keep(h, s, event),
                 None => self.put_spare(h),
             }
             self.hold(event, 1);
@@ -484,46 +501,36 @@ impl PageMap {
     /// for `stream` until then that no map took are spare, and the pages that lingered with it
     /// are idle. Returns nothing to release (the next map or unmap trims the spares).
     pub fn settle_kept(&mut self, stream: u64, event: Option<Ev>) {
-        let Some(list) = self.kept.get_mut(&stream) else {
-            return;
-        };
-        let mut settled = Vec::new();
-        let avail = &self.avail;
-        list.retain(|h| match avail.get(h) {
-            Some(Avail::Kept {
-                stream: s,
-                event: e,
-            }) if *s == stream => {
-                if *e == event {
-                    settled.push(*h);
-                    false
-                } else {
-                    true
-                }
+        let want = Avail::Kept { stream, event };
+        for h in self.kept_by.remove(&(stream, event)).unwrap_or_default() {
+            if self.avail.get(&h) == Some(&want) {
+                self.avail.remove(&h);
+                self.put_spare(h);
+                self.drop_ref(event);
             }
-            _ => false,
-        });
-        if list.is_empty() {
-            self.kept.remove(&stream);
         }
-        for h in settled {
-            self.avail.remove(&h);
-            self.put_spare(h);
-            self.drop_ref(event);
+        if let Some(list) = self.kept.get_mut(&stream) {
+            // drop stale entries now and then (taken handles stay listed until popped)
+            let avail = &self.avail;
+            if list.len() > 64 && list.len() > 2 * avail.len() {
+                list.retain(
+                    |h| matches!(avail.get(h), Some(Avail::Kept { stream: s, .. }) if *s == stream),
+                );
+            }
+            if list.is_empty() {
+                self.kept.remove(&stream);
+            }
         }
         if let Some(ev) = event {
             // its lingering pages are idle now
-            let pages: Vec<DevPtr> = self
-                .linger
-                .iter()
-                .filter(|(_, l)| l.event == Some(ev))
-                .map(|(&p, _)| p)
-                .collect();
-            for p in pages {
-                if let Some(l) = self.linger.get_mut(&p) {
-                    l.event = None;
+            for p in self.by_event.remove(&ev).unwrap_or_default() {
+                match self.linger.get_mut(&p) {
+                    Some(l) if l.event == Some(ev) => {
+                        l.event = None;
+                        self.drop_ref(Some(ev));
+                    }
+                    _ => {}
                 }
-                self.drop_ref(Some(ev));
             }
         }
     }
@@ -644,7 +651,9 @@ impl PageMap {
         self.spare.clear();
         self.spare_count = 0;
         self.kept.clear();
+        self.kept_by.clear();
         self.idle_events.extend(self.events.drain().map(|(e, _)| e));
+        self.by_event.clear();
         (live, linger, handles)
     }
 }

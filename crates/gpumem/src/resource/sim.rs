@@ -54,8 +54,10 @@ struct SimState {
     unmaps: u64,
     /// driver calls a CUDA engine would have made
     driver: VmmCalls,
-    /// events recorded for pages moved in stream order: (stream, event, tick due)
-    moves: Vec<(u64, usize, u64)>,
+    /// events recorded for pages moved in stream order: event → (stream, tick due)
+    moves: FxHashMap<usize, (u64, u64)>,
+    /// the earliest tick at which one of `moves` is due
+    moves_due: u64,
     next_move_event: usize,
 }
 
@@ -283,10 +285,7 @@ impl VirtualMemory for SimulatedDevice {
             Some(&b) if b == bytes => {}
             _ => return Err(Error::UnknownPointer { ptr: addr }),
         }
-        if let Some(page) = (0..bytes / SIM_GRANULARITY)
-            .map(|i| addr + i * SIM_GRANULARITY)
-            .find(|p| s.pages.handle_at(*p).is_some())
-        {
+        if let Some(page) = s.pages.live_in(addr, bytes) {
             return Err(Error::InvalidArgument(format!(
                 "simulated release_address of {addr:#x}: page {page:#x} still mapped"
             )));
@@ -324,7 +323,12 @@ impl VirtualMemory for SimulatedDevice {
                 s.next_move_event += 1;
                 let ev = s.next_move_event;
                 let due = s.clock.saturating_add(lag.max(1));
-                s.moves.push((stream.0, ev, due));
+                s.moves.insert(ev, (stream.0, due));
+                s.moves_due = if s.moves.len() == 1 {
+                    due
+                } else {
+                    s.moves_due.min(due)
+                };
                 s.driver.foreground += 1;
                 s.driver.records += 1;
                 Some(ev)
@@ -422,26 +426,19 @@ impl SimState {
     /// of those whose old work the lagging GPU has not passed.
     fn evict(&mut self, pages: &[Evict], foreground: bool) {
         for e in pages {
-            if let Some(ev) = e.event {
-                if self
-                    .moves
-                    .iter()
-                    .any(|&(_, m, due)| m == ev && due > self.clock)
-                {
-                    self.driver.waits += 1;
-                    // the host waited for the GPU to pass that event
-                    let due = self
-                        .moves
-                        .iter()
-                        .find(|&&(_, m, _)| m == ev)
-                        .map_or(0, |m| m.2);
-                    for m in &mut self.moves {
-                        if m.2 <= due {
-                            m.2 = 0;
-                        }
+            let Some(&(_, due)) = e.event.and_then(|ev| self.moves.get(&ev)) else {
+                continue;
+            };
+            if due > self.clock {
+                self.driver.waits += 1;
+                // the host waited for the GPU to pass that event, and so everything before it
+                for m in self.moves.values_mut() {
+                    if m.1 <= due {
+                        m.1 = 0;
                     }
-                    self.pending.retain(|_, d| *d > due);
                 }
+                self.moves_due = 0;
+                self.pending.retain(|_, d| *d > due);
             }
         }
         let n = pages.len() as u64;
@@ -476,17 +473,20 @@ impl SimState {
     /// waited for the device).
     fn settle_moves(&mut self, all: bool) {
         let now = self.clock;
-        let done: Vec<(u64, usize, u64)> = self
-            .moves
-            .iter()
-            .copied()
-            .filter(|&(_, _, due)| all || due <= now)
-            .collect();
-        if done.is_empty() {
+        if self.moves.is_empty() || (!all && self.moves_due > now) {
             return;
         }
-        self.moves.retain(|&(_, _, due)| !(all || due <= now));
-        for (stream, ev, _) in done {
+        let mut done: Vec<(usize, u64)> = Vec::new();
+        self.moves.retain(|&ev, &mut (stream, due)| {
+            let settled = all || due <= now;
+            if settled {
+                done.push((ev, stream));
+            }
+            !settled
+        });
+        self.moves_due = self.moves.values().map(|m| m.1).min().unwrap_or(u64::MAX);
+        done.sort_unstable();
+        for (ev, stream) in done {
             self.pages.settle_kept(stream, Some(ev));
         }
         self.pages.take_idle_events();

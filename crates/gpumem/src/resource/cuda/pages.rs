@@ -599,14 +599,16 @@ impl Pages {
             (queued, events, all)
         };
         let mut events = events;
+        let mut handles = handles;
         for job in queued {
             match job {
-                // the handles are in `handles` already; their addresses are unmapped below
+                // handles on their way out are in the map no more: unmapped and released here
                 Job::Release(rs) => {
                     for r in rs {
                         for e in r.unmap {
                             self.unmap_one(e.addr);
                         }
+                        handles.push(r.handle);
                     }
                 }
                 Job::Settle { event, .. } => events.push(event),
