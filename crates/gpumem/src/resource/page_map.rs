@@ -201,13 +201,6 @@ impl PageMap {
                 .any(|p| self.unmapping.contains_key(&p))
     }
 
-    /// Pages handed to the engine for unmapping (evictions, releases) are done.
-    pub fn unmapped(&mut self, pages: impl IntoIterator<Item = DevPtr>) {
-        for p in pages {
-            self.unmapping.remove(&p);
-        }
-    }
-
     /// Events no longer referenced, for the engine to reuse or destroy.
     pub fn take_idle_events(&mut self) -> Vec<Ev> {
         std::mem::take(&mut self.idle_events)
@@ -536,7 +529,7 @@ impl PageMap {
     }
 
     /// Spare handles beyond the cap, out of the map, each with its lingering addresses (which
-    /// are marked as being unmapped: call [`PageMap::unmapped`] when done).
+    /// are marked as being unmapped: call [`PageMap::released`] when done).
     fn excess(&mut self) -> Vec<Release> {
         let cap = MIN_SPARE_PAGES.max(self.live.len() / SPARE_DIVISOR);
         let mut out = Vec::new();
