@@ -185,14 +185,6 @@ impl PageMap {
             .collect()
     }
 
-    fn set_live(&mut self, p: DevPtr, h: Hid) {
-        self.live.insert(p, h);
-    }
-
-    fn unset_live(&mut self, p: DevPtr) -> Option<Hid> {
-        self.live.remove(&p)
-    }
-
     /// Whether any page of `[addr, addr + bytes)` is being unmapped outside the lock.
     pub fn unmapping_in(&self, addr: DevPtr, bytes: u64) -> bool {
         !self.unmapping.is_empty()
@@ -339,7 +331,7 @@ impl PageMap {
                     if let Avail::Kept { event, .. } = a {
                         plan.from_kept.push((l.handle, event));
                     }
-                    self.set_live(p, l.handle);
+                    self.live.insert(p, l.handle);
                     plan.reused.push(p);
                 }
                 None => rest.push(p),
@@ -384,7 +376,7 @@ impl PageMap {
                 Some(h) => h,
                 None => continue,
             };
-            self.set_live(p, h);
+            self.live.insert(p, h);
         }
         for (_, ev) in plan.from_kept {
             self.drop_ref(ev);
@@ -406,7 +398,7 @@ impl PageMap {
             _ => m.put_spare(h),
         };
         for &p in &plan.reused {
-            if let Some(h) = self.unset_live(p) {
+            if let Some(h) = self.live.remove(&p) {
                 self.linger.insert(
                     p,
                     Linger {
@@ -452,7 +444,7 @@ impl PageMap {
         let mut n = 0u64;
         let pages: Vec<DevPtr> = self.pages(addr, bytes).collect();
         for p in pages {
-            let Some(h) = self.unset_live(p) else {
+            let Some(h) = self.live.remove(&p) else {
                 continue;
             };
             n += 1;
@@ -649,6 +641,19 @@ impl PageMap {
         self.by_event.clear();
         (live, linger, handles)
     }
+}
+
+/// Runs `(start, pages)` of adjacent pages of `page` bytes among `addrs` (in the order given):
+/// one set-access call (or unmap call) each.
+pub fn runs(addrs: impl Iterator<Item = DevPtr>, page: u64) -> Vec<(DevPtr, u64)> {
+    let mut out: Vec<(DevPtr, u64)> = Vec::new();
+    for a in addrs {
+        match out.last_mut() {
+            Some((s, n)) if *s + *n * page == a => *n += 1,
+            _ => out.push((a, 1)),
+        }
+    }
+    out
 }
 
 #[cfg(test)]

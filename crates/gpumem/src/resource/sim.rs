@@ -8,7 +8,7 @@
 //! mapped into it in 2 MiB pages and counted against the capacity, as on a CUDA device with
 //! cuMemAddressReserve / cuMemCreate / cuMemMap.
 
-use super::page_map::{Evict, MapPlan, PageMap, Release};
+use super::page_map::{self, Evict, MapPlan, PageMap, Release};
 use super::{
     next_stream_id, CopyKind, DevPtr, Event, Location, MemInfo, Resource, Stream, StreamOps,
     VirtualMemory, VmmCalls,
@@ -406,14 +406,7 @@ impl SimState {
     /// set-access per run of fresh pages.
     fn record_map(&mut self, plan: &MapPlan, created: u64) {
         let fresh = plan.fresh.len() as u64;
-        let mut runs = 0u64;
-        let mut prev: Option<DevPtr> = None;
-        for &(p, _) in &plan.fresh {
-            if prev != Some(p.wrapping_sub(SIM_GRANULARITY)) {
-                runs += 1;
-            }
-            prev = Some(p);
-        }
+        let runs = page_map::runs(plan.fresh.iter().map(|f| f.0), SIM_GRANULARITY).len() as u64;
         let d = &mut self.driver;
         d.creates += created;
         d.maps += fresh;

@@ -25,7 +25,7 @@
 //! the device's recommended granularity.
 
 use super::*;
-use crate::resource::page_map::{Evict, PageMap, Release};
+use crate::resource::page_map::{runs, Evict, PageMap, Release};
 use crate::resource::VmmCalls;
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -638,18 +638,6 @@ impl Pages {
         let _ = unsafe { sys::cuMemUnmap(p, self.page as usize) };
         self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-/// Runs `(start, pages)` of adjacent pages among `addrs` (in the order given).
-fn runs(addrs: impl Iterator<Item = DevPtr>, page: u64) -> Vec<(DevPtr, u64)> {
-    let mut out: Vec<(DevPtr, u64)> = Vec::new();
-    for a in addrs {
-        match out.last_mut() {
-            Some((s, n)) if *s + *n * page == a => *n += 1,
-            _ => out.push((a, 1)),
-        }
-    }
-    out
 }
 
 /// The worker: waits for the events of moves in stream order (then their handles are spare)
