@@ -7,7 +7,8 @@
 Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
 `expandable` is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `async` is
 backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies), and
-`gpumem_tight` is gpumem with expandable_move_budget:0 (pages move whatever it costs). The table
+`gpumem_budget` is gpumem with expandable_move_budget:0.01 (the slack grows when page moves take
+more than 1% of the wall time; the default before it was measured to cost memory). The table
 gives the median step time after warm-up, peak reserved / peak allocated bytes (the
 allocator's own memory_stats), and whether the losses are identical to native's.
 
@@ -36,8 +37,8 @@ SETTINGS = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     "gpumem": {},
-    # page moves unbudgeted: the tightest memory, at the cost of driver time
-    "gpumem_tight": {"GPUMEM_CONF": "expandable_move_budget:0"},
+    # page moves held to 1% of the wall time (the slack grows beyond it)
+    "gpumem_budget": {"GPUMEM_CONF": "expandable_move_budget:0.01"},
 }
 WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve"]
 # workloads timed as a whole run (no steps)

@@ -269,7 +269,7 @@ pub const KEYS: &[Key] = &[
     Key {
         name: "expandable_move_budget",
         value: "0 ≤ b < 1",
-        meaning: "share of wall time page moves may take before the slack grows (0 = no limit)",
+        meaning: "share of wall time page moves may take before the slack grows (0 = no limit, the default)",
         set: |c, v| {
             c.pool.expandable_move_budget = fraction(v, |f| (0.0..1.0).contains(&f), "[0, 1)")?;
             Ok(())

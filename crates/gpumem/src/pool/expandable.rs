@@ -587,12 +587,14 @@ impl Pages {
 /// settle (random sizes, say) would move pages on a good share of its allocations. Each window
 /// of [`Churn::WINDOW`] allocations in which more than [`Churn::HIGH`] moved pages (and the
 /// peak of allocated bytes did not grow by more than 1%), or in which moving pages took more
-/// than `expandable_move_budget` of the wall time, doubles the
-/// slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the pool is practically
-/// PyTorch's expandable segments: pages are mapped as it grows and kept). What the time budget
-/// raised, [`Churn::QUIET`] quiet windows in a row (few moves, within budget) halve again, so
-/// a job whose moves got cheap returns to a tighter slack; `empty_cache` starts over. Workloads that
-/// repeat (training steps) or grow slowly (decoding) stay at the configured slack.
+/// than `expandable_move_budget` of the wall time (off by default: in real PyTorch runs it
+/// reacted to the first steps' moves and left a slack that made more moves per step, not
+/// fewer), doubles the slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the
+/// pool is practically PyTorch's expandable segments: pages are mapped as it grows and kept).
+/// What the time budget raised, [`Churn::QUIET`] quiet windows in a row (few moves, within
+/// budget) halve again, so a job whose moves got cheap returns to a tighter slack;
+/// `empty_cache` starts over. Workloads that repeat (training steps) or grow slowly (decoding)
+/// stay at the configured slack.
 #[derive(Debug, Default)]
 pub(super) struct Churn {
     pub(super) allocs: u32,

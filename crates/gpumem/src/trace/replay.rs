@@ -383,8 +383,9 @@ fn run(
 ) -> Result<(u64, crate::Stats, String, Option<VmmCalls>)> {
     let mut config = config.clone();
     config.shards = Some(1);
-    // a replay has no kernels, hence no clock to hold page moves against: it shows where
-    // moving pages takes the memory (see `expandable_move_budget`)
+    // a replay has no kernels, hence no clock to hold page moves against (a time budget a
+    // configuration asks for is ignored): it shows where moving pages takes the memory (see
+    // `expandable_move_budget`)
     config.pool.expandable_move_budget = 0.0;
     let backend_name = backend.name().to_string();
     let alloc = CachingAllocator::new(backend.clone(), config)?;
