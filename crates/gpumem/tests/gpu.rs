@@ -69,7 +69,7 @@ fn device_info_is_sane() {
     assert!(!d.name.is_empty());
     assert!(d.total_memory > 1 << 30 && d.free_memory <= d.total_memory);
     assert!(d.compute_capability.0 >= 6);
-    assert!(d.unified_addressing && d.managed_memory && d.memory_pools);
+    assert!(d.unified_addressing && d.caps.managed_memory && d.memory_pools);
     println!("{d:?}");
 }
 

@@ -69,14 +69,17 @@ pub fn run(json: bool) -> Result<()> {
             human(d.free_memory),
             human(d.total_memory)
         );
-        println!("  managed memory              {}", yn(d.managed_memory));
+        println!(
+            "  managed memory              {}",
+            yn(d.caps.managed_memory)
+        );
         println!(
             "  concurrent managed access   {}",
-            yn(d.concurrent_managed_access)
+            yn(d.caps.concurrent_managed_access)
         );
         println!(
             "  pageable memory access      {}",
-            yn(d.pageable_memory_access)
+            yn(d.caps.pageable_memory_access)
         );
         println!(
             "  virtual memory management   {}",
@@ -86,11 +89,11 @@ pub fn run(json: bool) -> Result<()> {
         println!("  unified addressing          {}", yn(d.unified_addressing));
         println!(
             "  host-native atomics         {}",
-            yn(d.host_native_atomics)
+            yn(d.caps.host_native_atomics)
         );
         println!(
             "  mapped pinned memory        {}",
-            yn(d.can_map_host_memory)
+            yn(d.caps.can_map_host_memory)
         );
         println!("  platform                    {:?}", d.platform);
         println!("  memory visibility           {}", d.visibility.describe());

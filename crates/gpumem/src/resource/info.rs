@@ -19,18 +19,10 @@ pub struct DeviceInfo {
     pub free_memory: u64,
     /// streaming multiprocessors
     pub multiprocessors: i32,
-    /// cuMemAllocManaged works
-    pub managed_memory: bool,
-    /// CPU and GPU may touch managed memory concurrently
-    pub concurrent_managed_access: bool,
-    /// the GPU can access pageable host memory
-    pub pageable_memory_access: bool,
-    /// ... through the host's page tables (ATS)
-    pub pageable_uses_host_page_tables: bool,
-    /// atomics between host and device are native to the interconnect (NVLink-C2C)
-    pub host_native_atomics: bool,
-    /// pinned host memory can be mapped into the device's address space
-    pub can_map_host_memory: bool,
+    /// the attributes memory visibility is decided from (managed memory, pageable access,
+    /// native atomics, mapped pinned memory); flattened into the JSON
+    #[serde(flatten)]
+    pub caps: VisibilityCaps,
     /// cuMemCreate/cuMemMap (virtual-memory segments)
     pub virtual_memory_management: bool,
     /// cuMemPool* / cuMemAllocAsync
@@ -45,20 +37,6 @@ pub struct DeviceInfo {
     pub platform: Platform,
     /// whether host and device see each other's writes (from the attributes and platform)
     pub visibility: MemoryVisibility,
-}
-
-impl DeviceInfo {
-    /// The attributes memory visibility is decided from.
-    pub fn visibility_caps(&self) -> VisibilityCaps {
-        VisibilityCaps {
-            managed_memory: self.managed_memory,
-            concurrent_managed_access: self.concurrent_managed_access,
-            pageable_memory_access: self.pageable_memory_access,
-            pageable_uses_host_page_tables: self.pageable_uses_host_page_tables,
-            host_native_atomics: self.host_native_atomics,
-            can_map_host_memory: self.can_map_host_memory,
-        }
-    }
 }
 
 /// The memory visibility of device `ordinal` (a few attribute queries, no context work), or

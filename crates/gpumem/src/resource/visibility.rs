@@ -57,7 +57,7 @@ impl Platform {
     }
 }
 
-/// The device attributes visibility depends on (a subset of [`crate::DeviceInfo`]).
+/// The device attributes visibility depends on ([`crate::DeviceInfo::caps`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct VisibilityCaps {
     /// cuMemAllocManaged works

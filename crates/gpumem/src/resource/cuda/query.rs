@@ -88,12 +88,7 @@ pub(crate) fn info(ordinal: usize) -> crate::Result<DeviceInfo> {
         total_memory: total as u64,
         free_memory: free as u64,
         multiprocessors: attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-        managed_memory: caps.managed_memory,
-        concurrent_managed_access: caps.concurrent_managed_access,
-        pageable_memory_access: caps.pageable_memory_access,
-        pageable_uses_host_page_tables: caps.pageable_uses_host_page_tables,
-        host_native_atomics: caps.host_native_atomics,
-        can_map_host_memory: caps.can_map_host_memory,
+        caps,
         virtual_memory_management: attr(
             dev,
             A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
