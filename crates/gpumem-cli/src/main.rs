@@ -5,6 +5,7 @@ mod output;
 
 use clap::{Parser, Subcommand};
 use cmd::bench_alloc::{AllocArgs, Plan};
+use output::Target;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -114,18 +115,12 @@ enum BenchWhat {
         /// Threads of the multi-threaded scenario (1 to 256).
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
         threads: u64,
-        /// CUDA device ordinal.
-        #[arg(long, default_value_t = 0)]
-        device: usize,
-        /// Force the host backend even where a GPU is present.
-        #[arg(long)]
-        host: bool,
-        /// gpumem configuration (as GPUMEM_CONF); defaults to GPUMEM_CONF or the defaults.
-        #[arg(long)]
-        conf: Option<String>,
+        #[command(flatten)]
+        target: Target,
     },
     /// Copy bandwidth of every host↔device path (pageable raw, pageable staged, pinned,
-    /// device↔device, managed prefetch) for sizes 64 KiB … 1 GiB, and pinned alloc+free cost.
+    /// device↔device, managed prefetch) for sizes 64 KiB … 1 GiB, and pinned alloc+free cost
+    /// (`--conf` takes staging_threads, staging_chunk_kb, ...).
     Transfer {
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -134,16 +129,8 @@ enum BenchWhat {
         /// this).
         #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1024))]
         max_mib: u64,
-        /// CUDA device ordinal.
-        #[arg(long, default_value_t = 0)]
-        device: usize,
-        /// Force the host backend even where a GPU is present.
-        #[arg(long)]
-        host: bool,
-        /// gpumem configuration (staging_threads, staging_chunk_kb, ...); defaults to
-        /// GPUMEM_CONF or the defaults.
-        #[arg(long)]
-        conf: Option<String>,
+        #[command(flatten)]
+        target: Target,
         /// Peer copies between devices 0 and 1 instead (needs two GPUs).
         #[arg(long)]
         peer: bool,
@@ -167,15 +154,8 @@ enum BenchWhat {
         /// Poll interval in microseconds (0: spin), 0 to 100,000.
         #[arg(long, default_value_t = 0.0)]
         poll_us: f64,
-        /// CUDA device ordinal.
-        #[arg(long, default_value_t = 0)]
-        device: usize,
-        /// Force the host backend even where a GPU is present.
-        #[arg(long)]
-        host: bool,
-        /// gpumem configuration (as GPUMEM_CONF).
-        #[arg(long)]
-        conf: Option<String>,
+        #[command(flatten)]
+        target: Target,
     },
     /// Unified memory on the GPU: a kernel over automatically prefetched unified buffers
     /// (managed and mirrored) against device memory and raw managed memory, and the speed of
@@ -223,9 +203,7 @@ fn main() -> ExitCode {
                     pairs,
                     ops,
                     threads,
-                    device,
-                    host,
-                    conf,
+                    target,
                 },
         } => cmd::bench_alloc::run(AllocArgs {
             json,
@@ -234,25 +212,21 @@ fn main() -> ExitCode {
                 ops: ops as usize,
                 threads: threads as usize,
             },
-            device,
-            host,
-            conf,
+            target,
         }),
         Command::Bench {
             what:
                 BenchWhat::Transfer {
                     json,
                     max_mib,
-                    device,
-                    host,
-                    conf,
+                    target,
                     peer,
                 },
         } => {
             if peer {
                 cmd::bench_transfer::run_peer(json, max_mib as usize)
             } else {
-                cmd::bench_transfer::run(json, max_mib as usize, device, host, conf)
+                cmd::bench_transfer::run(json, max_mib as usize, &target)
             }
         }
         Command::Bench {
@@ -263,9 +237,7 @@ fn main() -> ExitCode {
                     messages,
                     capacity,
                     poll_us,
-                    device,
-                    host,
-                    conf,
+                    target,
                 },
         } => {
             if !(0.0..=100_000.0).contains(&poll_us) {
@@ -277,9 +249,7 @@ fn main() -> ExitCode {
                     messages,
                     capacity: capacity as usize,
                     poll_us,
-                    device,
-                    host,
-                    conf,
+                    target,
                 })
             }
         }

@@ -42,6 +42,32 @@ pub fn msg<E: std::fmt::Display>(err: E) -> CliError {
     CliError::Message(err.to_string())
 }
 
+/// Where a benchmark runs and with what configuration: `--device`, `--host`, `--conf`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Target {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Force the host backend even where a GPU is present.
+    #[arg(long)]
+    pub host: bool,
+    /// gpumem configuration (as GPUMEM_CONF); defaults to GPUMEM_CONF or the defaults.
+    #[arg(long)]
+    pub conf: Option<String>,
+}
+
+impl Target {
+    /// The configuration to run with (see [`config_from`]).
+    pub fn config(&self) -> Result<Config> {
+        config_from(self.conf.as_deref())
+    }
+
+    /// Whether to run on the GPU: one is present and `--host` was not given.
+    pub fn gpu(&self) -> bool {
+        !self.host && gpumem::device::cuda_available()
+    }
+}
+
 /// The configuration a command runs with: `--conf` where given, else `GPUMEM_CONF` (else the
 /// defaults). A bad string is an error naming the key, whichever it came from.
 pub fn config_from(conf: Option<&str>) -> Result<Config> {

@@ -3,7 +3,7 @@
 
 #[cfg(feature = "cuda")]
 use crate::output::device_name;
-use crate::output::{config_from, emit, mean, median, Result};
+use crate::output::{emit, mean, median, Result, Target};
 use gpumem::workload::RandomLive;
 use gpumem::{Allocation, CachingAllocator, Config, Device, Stream};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -307,14 +307,12 @@ struct BenchOut {
 pub struct AllocArgs {
     pub json: bool,
     pub plan: Plan,
-    pub device: usize,
-    pub host: bool,
-    pub conf: Option<String>,
+    pub target: Target,
 }
 
 pub fn run(a: AllocArgs) -> Result<()> {
-    let config = config_from(a.conf.as_deref())?;
-    let gpu = !a.host && gpumem::device::cuda_available();
+    let config = a.target.config()?;
+    let gpu = a.target.gpu();
     let (device, rows) = if gpu {
         bench_gpu(&a, config)?
     } else {
@@ -367,14 +365,18 @@ fn print(out: &BenchOut) {
 fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
     use gpumem::resource::cuda::{CudaAsyncPool, CudaDevice};
     use std::sync::Arc;
-    let name = device_name(a.device)?;
-    let g = Gpumem(gpumem::Device::cuda(a.device, config)?.allocator().clone());
+    let name = device_name(a.target.device)?;
+    let g = Gpumem(
+        gpumem::Device::cuda(a.target.device, config)?
+            .allocator()
+            .clone(),
+    );
     let raw = Raw {
-        resource: Arc::new(CudaDevice::new(a.device)?),
+        resource: Arc::new(CudaDevice::new(a.target.device)?),
         slow: true,
     };
     let pool = Raw {
-        resource: Arc::new(CudaAsyncPool::new(a.device, u64::MAX)?),
+        resource: Arc::new(CudaAsyncPool::new(a.target.device, u64::MAX)?),
         slow: false,
     };
     let total = units(&g, &a.plan) + units(&raw, &a.plan) + units(&pool, &a.plan);
@@ -390,5 +392,5 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
 
 #[cfg(not(feature = "cuda"))]
 fn bench_gpu(a: &AllocArgs, _: Config) -> Result<(String, Vec<Row>)> {
-    Err(format!("device {}: built without the cuda feature", a.device).into())
+    Err(format!("device {}: built without the cuda feature", a.target.device).into())
 }

@@ -5,7 +5,7 @@
 //! back. On the host backend the polled "device" is a host thread and the copy-mode echo is
 //! done by copies: the protocol's figures, not a GPU's.
 
-use crate::output::{config_from, emit, median, msg, Result};
+use crate::output::{emit, median, Result, Target};
 use bytemuck::{Pod, Zeroable};
 use gpumem::buffer::ring::{RingBridge, RingMode};
 use gpumem::{Device, Stream};
@@ -255,15 +255,13 @@ pub struct RingArgs {
     pub messages: u64,
     pub capacity: usize,
     pub poll_us: f64,
-    pub device: usize,
-    pub host: bool,
-    pub conf: Option<String>,
+    pub target: Target,
 }
 
 pub fn run(a: RingArgs) -> Result<()> {
-    let config = config_from(a.conf.as_deref())?;
+    let config = a.target.config()?;
     let poll = Duration::from_secs_f64(a.poll_us.max(0.0) / 1e6);
-    let gpu = !a.host && gpumem::device::cuda_available();
+    let gpu = a.target.gpu();
     let out = if gpu {
         #[cfg(feature = "cuda")]
         {
@@ -292,7 +290,7 @@ pub fn run(a: RingArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use crate::output::device_name;
+    use crate::output::{device_name, msg};
     use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
     use gpumem::buffer::ring::{POLLED_ECHO_CUDA, POLLED_RING_CUDA};
     use std::sync::Arc;
@@ -357,9 +355,9 @@ extern "C" __global__ void echo_words(unsigned int* inbox, const unsigned int* o
     }
 
     pub fn run(a: &RingArgs, config: gpumem::Config, poll: Duration) -> Result<Out> {
-        let name = device_name(a.device)?;
-        let alloc = Device::cuda(a.device, config)?;
-        let ctx = gpumem::resource::cuda::primary_context(a.device)?;
+        let name = device_name(a.target.device)?;
+        let alloc = Device::cuda(a.target.device, config)?;
+        let ctx = gpumem::resource::cuda::primary_context(a.target.device)?;
         let st = ctx.new_stream().map_err(msg)?;
         let src = format!("{POLLED_RING_CUDA}{POLLED_ECHO_CUDA}{ECHO}");
         let m = ctx

@@ -4,7 +4,7 @@
 
 #[cfg(feature = "cuda")]
 use crate::output::device_name;
-use crate::output::{config_from, emit, median, CliError, Result};
+use crate::output::{emit, median, CliError, Result, Target};
 use gpumem::resource::{CopyKind, StreamOps};
 use gpumem::units::size_label as human;
 use gpumem::{
@@ -398,14 +398,8 @@ pub fn measure_peer(max_mib: usize) -> Result<Out> {
     })
 }
 
-pub fn run(
-    json: bool,
-    max_mib: usize,
-    device: usize,
-    host: bool,
-    conf: Option<String>,
-) -> Result<()> {
-    let config = config_from(conf.as_deref())?;
+pub fn run(json: bool, max_mib: usize, target: &Target) -> Result<()> {
+    let config = target.config()?;
     let sizes: Vec<usize> = [
         64usize << 10,
         1 << 20,
@@ -417,16 +411,15 @@ pub fn run(
     .into_iter()
     .filter(|&s| s <= (max_mib << 20).max(64 << 10))
     .collect();
-    let gpu = !host && gpumem::device::cuda_available();
+    let gpu = target.gpu();
     let (alloc, name) = if gpu {
         #[cfg(feature = "cuda")]
         {
-            let name = device_name(device)?;
-            (gpumem::Device::cuda(device, config)?, name)
+            let name = device_name(target.device)?;
+            (gpumem::Device::cuda(target.device, config)?, name)
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = device;
             return Err("built without the cuda feature".into());
         }
     } else {
