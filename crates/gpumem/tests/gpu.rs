@@ -434,6 +434,77 @@ fn pages_move_in_stream_order_under_a_running_kernel() {
     a.empty_cache();
 }
 
+/// A block freed on one stream while a kernel there still reads it; another stream then needs
+/// pages: it takes the block's memory after waiting (on the GPU) for the first stream's
+/// checkpoint, so its own work, which overwrites that memory, runs after the kernel. The kernel
+/// reads what it should, the new block holds its own, and the allocation did not wait.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn another_streams_pages_move_after_its_running_kernel() {
+    let g = gpu();
+    let (sa, sb) = (g.ctx.new_stream().unwrap(), g.ctx.new_stream().unwrap());
+    let (a_s, b_s) = (Stream::from(&*sa), Stream::from(&*sb));
+    let a = Device::cuda(
+        0,
+        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
+    )
+    .unwrap();
+    let n = 64 * MIB / 4;
+    let z = DeviceBuffer::<u32>::zeroed(&a, b_s, 1024).unwrap(); // b's stream is known
+    let mut x = DeviceBuffer::<u32>::alloc(&a, a_s, n).unwrap();
+    fill(&g, &sa, &mut x, 0x3333_3333);
+    let mut out = DeviceBuffer::<u32>::zeroed(&a, a_s, n).unwrap();
+    let (nn, cycles) = (n as u64, 400_000_000i64); // ~200 ms
+    let mut l = sa.launch_builder(&g.slow_copy);
+    l.arg(&mut out).arg(&x).arg(&nn).arg(&cycles);
+    // SAFETY: both buffers hold n u32s.
+    unsafe { l.launch(cfg(n)) }.unwrap();
+    let vmm = a.backend().virtual_memory().expect("pages");
+    let before = vmm.calls();
+    drop(x); // freed on stream a while the kernel has still to read it
+    let t = std::time::Instant::now();
+    let mut y = DeviceBuffer::<u32>::alloc(&a, b_s, 100 * MIB / 4).unwrap();
+    let took = t.elapsed();
+    fill(&g, &sb, &mut y, 0x5555_5555); // waits for the kernel on stream a
+    let stats = a.stats();
+    let calls = vmm.calls();
+    assert!(stats.num_cross_stream_moves >= 1, "{stats:?}");
+    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
+    assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
+    assert!(
+        calls.aliased - before.aliased >= 30,
+        "x's memory backs y: {calls:?}"
+    );
+    assert!(
+        took < std::time::Duration::from_millis(100),
+        "the allocation waited for the kernel: {took:?}"
+    );
+    sa.synchronize().unwrap();
+    sb.synchronize().unwrap();
+    let bad = out
+        .to_vec()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != 0x3333_3333 ^ i as u32)
+        .count();
+    assert_eq!(bad, 0, "the kernel read {bad} wrong words");
+    let bad = y
+        .to_vec()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != 0x5555_5555 ^ i as u32)
+        .count();
+    assert_eq!(bad, 0, "the new block holds {bad} wrong words");
+    println!(
+        "moved across streams: {} pages aliased, allocation took {took:?}",
+        calls.aliased - before.aliased
+    );
+    drop((y, out, z));
+    a.empty_cache();
+}
+
 /// Replaying a trace with real CUDA allocations reserves what the simulation says, within 1%.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -130,7 +130,7 @@ impl CachingPool {
                 );
             }
             let stream = s.stream;
-            self.checkpoint_on_free(stream);
+            self.checkpoint_on_free(stream, size >= page);
         }
         let mut id = id;
         let (prev, stream) = {

@@ -3,68 +3,114 @@
 
 use super::*;
 
+/// Events recorded on one stream, oldest first, each with the pool tick it covers: once one
+/// has completed, the pages freed at or before its tick are idle; before that, another stream
+/// that waits for it may take them in its own order (see `reclaim_pages`).
+#[derive(Debug)]
+pub(super) struct StreamCheckpoints {
+    pub(super) stream: Stream,
+    /// the highest free tick known idle
+    pub(super) safe: u64,
+    pub(super) outstanding: std::collections::VecDeque<(Event, u64)>,
+}
+
+impl StreamCheckpoints {
+    /// Outstanding checkpoints one stream may have; past it, no more are recorded until the
+    /// oldest completes (the newest then covers fewer of the latest frees: only another
+    /// stream's moves lose by it).
+    const MAX_OUTSTANDING: usize = 128;
+}
+
 impl CachingPool {
-    /// The highest free tick known to be idle on `stream` (after polling its checkpoint).
-    pub(super) fn safe_tick(&mut self, stream: Stream) -> u64 {
-        let Some(i) = self.checkpoints.iter().position(|c| c.0 == stream) else {
-            return self.device_safe;
-        };
-        if let (Some(ev), tick) = (self.checkpoints[i].2, self.checkpoints[i].3) {
-            if self.backend.event_done(ev).unwrap_or(false) {
-                self.backend.destroy_event(ev);
-                let c = &mut self.checkpoints[i];
-                c.2 = None;
-                c.1 = c.1.max(tick);
-            }
-        }
-        self.checkpoints[i].1.max(self.device_safe)
-    }
-
-    pub(super) fn set_safe(&mut self, stream: Stream, tick: u64) {
-        match self.checkpoints.iter_mut().find(|c| c.0 == stream) {
-            Some(c) => c.1 = c.1.max(tick),
-            None => self.checkpoints.push((stream, tick, None, 0)),
-        }
-    }
-
-    /// Record a checkpoint event on `stream` unless one is outstanding (a completed one is
-    /// retired first).
-    pub(super) fn checkpoint(&mut self, stream: Stream) {
-        self.safe_tick(stream);
-        self.checkpoint_on_free(stream);
-    }
-
-    /// A checkpoint on `stream` unless an incomplete one is outstanding: recorded when a block
-    /// of the stream is freed (the stream is alive then: blocks must not outlive their
-    /// streams), so that once the event completes, the pages freed so far are known idle with
-    /// no waiting.
-    pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
-        if self.capturing(stream) {
-            return; // an event recorded now would be part of the graph
-        }
-        let i = match self.checkpoints.iter().position(|c| c.0 == stream) {
+    fn checkpoints_of(&mut self, stream: Stream) -> &mut StreamCheckpoints {
+        let i = match self.checkpoints.iter().position(|c| c.stream == stream) {
             Some(i) => i,
             None => {
-                self.checkpoints.push((stream, 0, None, 0));
+                self.checkpoints.push(StreamCheckpoints {
+                    stream,
+                    safe: 0,
+                    outstanding: Default::default(),
+                });
                 self.checkpoints.len() - 1
             }
         };
-        if self.checkpoints[i].2.is_some() {
-            // with several streams, a completed checkpoint is retired and a fresh one
-            // recorded, so that the stream's checkpoint covers its recent frees too (another
-            // stream's allocation can move those pages only through it): one event query per
-            // free while one is outstanding. With one stream, reclaiming refreshes its own.
-            if self.streams.len() < 2 {
+        &mut self.checkpoints[i]
+    }
+
+    /// The highest free tick known to be idle on `stream` (after polling its checkpoints:
+    /// events on one stream complete in order).
+    pub(super) fn safe_tick(&mut self, stream: Stream) -> u64 {
+        let Some(i) = self.checkpoints.iter().position(|c| c.stream == stream) else {
+            return self.device_safe;
+        };
+        while let Some(&(ev, tick)) = self.checkpoints[i].outstanding.front() {
+            if !self.backend.event_done(ev).unwrap_or(false) {
+                break;
+            }
+            self.backend.destroy_event(ev);
+            let c = &mut self.checkpoints[i];
+            c.outstanding.pop_front();
+            c.safe = c.safe.max(tick);
+        }
+        self.checkpoints[i].safe.max(self.device_safe)
+    }
+
+    /// The newest checkpoint on `stream` not known complete: its event and tick.
+    pub(super) fn newest_checkpoint(&self, stream: Stream) -> Option<(Event, u64)> {
+        self.checkpoints
+            .iter()
+            .find(|c| c.stream == stream)
+            .and_then(|c| c.outstanding.back().copied())
+    }
+
+    pub(super) fn set_safe(&mut self, stream: Stream, tick: u64) {
+        let c = self.checkpoints_of(stream);
+        c.safe = c.safe.max(tick);
+    }
+
+    /// Record a checkpoint event on `stream` unless one is outstanding (completed ones are
+    /// retired first).
+    pub(super) fn checkpoint(&mut self, stream: Stream) {
+        self.safe_tick(stream);
+        self.checkpoint_on_free(stream, false);
+    }
+
+    /// A checkpoint on `stream`, recorded when a block of the stream is freed (the stream is
+    /// alive then: blocks must not outlive their streams; the pool never records on another
+    /// stream, which may be gone), so that once the event completes, the pages freed so far
+    /// are known idle with no waiting. One outstanding checkpoint is enough for a stream alone
+    /// (reclaiming refreshes its own). With several streams, another stream's allocation can
+    /// take these pages only through a checkpoint that covers them, so a freed block of a page
+    /// or more (`spans_page`) gets a fresh one (completed ones are retired first): one
+    /// event record per such free, none for smaller blocks.
+    pub(super) fn checkpoint_on_free(&mut self, stream: Stream, spans_page: bool) {
+        if self.capturing(stream) {
+            return; // an event recorded now would be part of the graph
+        }
+        let several = self.streams.len() >= 2;
+        let tick = self.tick;
+        if !self.checkpoints_of(stream).outstanding.is_empty() {
+            if !several {
                 return;
             }
             self.safe_tick(stream);
-            if self.checkpoints[i].2.is_some() {
+            let c = self.checkpoints_of(stream);
+            let fresh = match c.outstanding.back() {
+                None => true,
+                Some(&(_, last)) => {
+                    spans_page
+                        && last < tick
+                        && c.outstanding.len() < StreamCheckpoints::MAX_OUTSTANDING
+                }
+            };
+            if !fresh {
                 return;
             }
         }
         if let Ok(ev) = self.backend.record_event(stream) {
-            self.checkpoints[i].2 = Some(ev);
-            self.checkpoints[i].3 = self.tick;
+            self.checkpoints_of(stream)
+                .outstanding
+                .push_back((ev, tick));
         }
     }
 

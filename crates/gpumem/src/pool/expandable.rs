@@ -254,7 +254,9 @@ impl CachingPool {
     /// pages move in stream order ([`VirtualMemory::unmap_after`]): the map that follows takes
     /// their memory at once, as reusing a freed block on its own stream would, and their old
     /// addresses are unmapped once the stream's queued work is done; so pages move while the
-    /// GPU is behind the host, with no wait. Otherwise a fresh checkpoint is recorded on
+    /// GPU is behind the host, with no wait. Another stream's free pages, freed before its
+    /// newest checkpoint, move the same way once `current` waits for that checkpoint on the GPU
+    /// ([`CachingPool::move_across_streams`]). Otherwise a fresh checkpoint is recorded on
     /// `current` and, if the stream has already caught up, more pages are safe. Only with
     /// `may_wait` (emptying the cache, out of memory: never on the allocation path) does the
     /// pool then wait for the stream, or the whole device for segments of other streams
@@ -277,6 +279,8 @@ impl CachingPool {
             .collect();
         order.sort_by_key(|&s| Some(self.segments[s as usize].stream) != current);
         let mut got = 0u64;
+        // the other streams `current` was made to wait for in this call
+        let mut waited_for: Vec<Stream> = Vec::new();
         for seg in order {
             if got >= want {
                 break;
@@ -323,6 +327,9 @@ impl CachingPool {
                 }
             }
             if !may_wait {
+                if let (false, Some(cur)) = (own, current) {
+                    got += self.move_across_streams(seg, owner, cur, want - got, &mut waited_for);
+                }
                 continue;
             }
             // 3: wait for the stream (or the device), then the rest is idle
@@ -345,6 +352,41 @@ impl CachingPool {
             got += self.unmap_runs(seg, runs);
         }
         got
+    }
+
+    /// Move up to about `want` bytes of the free pages of `seg`, a segment of stream `owner`,
+    /// to `current`'s next map, in `current`'s order: pages freed before `owner`'s newest
+    /// checkpoint, once `current` waits for that checkpoint's event (as `cudaMallocAsync`
+    /// reuses another stream's memory through an event dependency). Work queued on `current`
+    /// from now on runs after what `owner` had queued by the checkpoint; nothing waits on the
+    /// host. Returns the bytes unmapped.
+    fn move_across_streams(
+        &mut self,
+        seg: u32,
+        owner: Stream,
+        current: Stream,
+        want: u64,
+        waited_for: &mut Vec<Stream>,
+    ) -> u64 {
+        if self.capturing(current) {
+            return 0; // a wait recorded now would be part of the graph
+        }
+        let Some((ev, tick)) = self.newest_checkpoint(owner) else {
+            return 0;
+        };
+        let runs = self.free_mapped_runs(seg, want, tick);
+        if runs.is_empty() {
+            return 0;
+        }
+        if !waited_for.contains(&owner) {
+            if let Err(e) = self.backend.wait_event(current, ev) {
+                tracing::warn!("gpumem: cannot order a stream after another: {e}");
+                return 0;
+            }
+            waited_for.push(owner);
+            self.stats.num_cross_stream_moves += 1;
+        }
+        self.unmap_runs_after(seg, runs, current, true)
     }
 
     /// Runs of mapped pages lying wholly inside free blocks of `seg` and last freed at or

@@ -236,8 +236,8 @@ pub struct CachingPool {
     tick: u64,
     /// highest allocated bytes seen when mapping pages (expandable segments)
     peak_allocated: u64,
-    /// per stream: (stream, highest free tick known idle, outstanding checkpoint event, its tick)
-    checkpoints: Vec<(Stream, u64, Option<Event>, u64)>,
+    /// per stream: which freed pages are idle, and the events that will tell
+    checkpoints: Vec<events::StreamCheckpoints>,
     /// free ticks up to this one are idle on every stream (after a device synchronisation)
     device_safe: u64,
     /// how often pages are being moved, which scales the slack
@@ -349,7 +349,7 @@ impl Drop for CachingPool {
             let _ = self.backend.sync_event(*e);
             self.backend.destroy_event(*e);
         }
-        for ev in self.checkpoints.iter().filter_map(|c| c.2) {
+        for &(ev, _) in self.checkpoints.iter().flat_map(|c| c.outstanding.iter()) {
             self.backend.destroy_event(ev);
         }
         let page = self.policy.page.unwrap_or(MIN_BLOCK);

@@ -116,6 +116,9 @@ pub struct Stats {
     /// memory is mapped again for the same stream at once, the old addresses unmapped once that
     /// work is done; one event recorded each)
     pub num_ordered_unmaps: u64,
+    /// another stream's free pages taken in the allocating stream's order, the allocating
+    /// stream made to wait for an event of the other (counted once per wait)
+    pub num_cross_stream_moves: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -216,6 +219,7 @@ impl Stats {
         self.unmapped_bytes += o.unmapped_bytes;
         self.num_unmap_syncs += o.num_unmap_syncs;
         self.num_ordered_unmaps += o.num_ordered_unmaps;
+        self.num_cross_stream_moves += o.num_cross_stream_moves;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -351,6 +355,7 @@ pub(crate) struct HotStats {
     pub(crate) unmapped_bytes: u64,
     pub(crate) num_unmap_syncs: u64,
     pub(crate) num_ordered_unmaps: u64,
+    pub(crate) num_cross_stream_moves: u64,
 }
 
 impl HotStats {
@@ -511,6 +516,7 @@ impl HotStats {
             unmapped_bytes: self.unmapped_bytes,
             num_unmap_syncs: self.num_unmap_syncs,
             num_ordered_unmaps: self.num_ordered_unmaps,
+            num_cross_stream_moves: self.num_cross_stream_moves,
             ..Stats::default()
         }
     }

@@ -504,6 +504,53 @@ fn a_device_without_virtual_memory_gets_classic_segments() {
 }
 
 #[test]
+fn another_streams_busy_pages_move_in_the_allocating_streams_order() {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    dev.set_auto_complete(false); // kernels still running: no event completes
+    let keep_a = alloc(&mut p, A, 100 * MIB);
+    let a = alloc(&mut p, A, 100 * MIB);
+    let _b = alloc(&mut p, B, 10 * MIB);
+    let x = alloc(&mut p, A, 4 * MIB);
+    free(&mut p, x);
+    let events = dev.counters().pending_events;
+    free(&mut p, a); // A's queued work may still use it
+    let waits = dev.counters().stream_waits;
+    assert_eq!(
+        dev.counters().pending_events,
+        events + 1,
+        "with two streams, the free of a page or more records a fresh checkpoint on A"
+    );
+    // B's 90 MiB takes a's pages: B waits for A's checkpoint (no host wait), then maps their
+    // memory at its own addresses
+    let _c = alloc(&mut p, B, 90 * MIB);
+    let s = p.stats();
+    assert_eq!(s.num_cross_stream_moves, 1, "{s:?}");
+    assert_eq!(dev.counters().stream_waits, waits + 1);
+    assert_eq!(s.num_unmap_syncs, 0, "no wait on the allocation path");
+    assert_eq!(dev.counters().syncs, 0);
+    assert!(
+        s.unmapped_bytes >= 88 * MIB,
+        "unmapped {}",
+        s.unmapped_bytes
+    );
+    assert!(
+        s.reserved_bytes.all.peak <= 210 * MIB + 4 * PAGE,
+        "peak {}",
+        s.reserved_bytes.all.peak
+    );
+    p.check_invariants().unwrap();
+    // with one stream only, a free records no more than one outstanding checkpoint
+    let (mut q, dev) = vmm_pool(1 << 40);
+    dev.set_auto_complete(false);
+    let xs: Vec<u64> = (0..8).map(|_| alloc(&mut q, A, 4 * MIB)).collect();
+    for x in xs {
+        free(&mut q, x);
+    }
+    assert_eq!(dev.counters().pending_events, 1);
+    let _ = keep_a;
+}
+
+#[test]
 fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
     let (mut p, dev) = vmm_pool(1 << 40);
     dev.set_auto_complete(false); // kernels still running: no event completes
@@ -528,16 +575,14 @@ fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
         s.reserved_bytes.all.peak
     );
     p.check_invariants().unwrap();
-    // another stream's busy pages are not A's to move: they stay, new pages are mapped
+    // another stream's busy pages move in A's order, A made to wait for B's checkpoint on
+    // the GPU (not on the host)
     let (d, e) = (alloc(&mut p, B, 60 * MIB), alloc(&mut p, B, 60 * MIB));
     free(&mut p, d);
-    let before = p.stats().unmapped_bytes;
+    let (before, waits) = (p.stats().unmapped_bytes, dev.counters().stream_waits);
     let _f = alloc(&mut p, A, 60 * MIB);
-    assert_eq!(
-        p.stats().unmapped_bytes,
-        before,
-        "B's pages stay while B may be busy"
-    );
+    assert!(p.stats().unmapped_bytes >= before + 58 * MIB);
+    assert_eq!(dev.counters().stream_waits, waits + 1);
     assert_eq!(dev.counters().syncs, 0);
     p.check_invariants().unwrap();
     // emptying the cache is allowed to wait (as PyTorch's does); it gives back the rest
@@ -581,24 +626,30 @@ fn expandable_stops_moving_pages_when_sizes_never_settle() {
 }
 
 #[test]
-fn expandable_moves_another_streams_pages_once_its_free_checkpoint_completes() {
+fn expandable_moves_another_streams_pages_through_its_free_checkpoint() {
     let (mut p, dev) = vmm_pool(1 << 40);
     dev.set_auto_complete(false);
     let a = alloc(&mut p, A, 100 * MIB);
-    free(&mut p, a); // stream A's pages are free; A may be destroyed by now
+    free(&mut p, a); // stream A's pages are free; A's work may still run, A may be gone
     let _b = alloc(&mut p, B, 100 * MIB);
     let s = p.stats();
-    assert_eq!(
-        s.unmapped_bytes, 0,
-        "A's work may still run: its pages stay"
+    assert!(
+        s.unmapped_bytes >= 98 * MIB,
+        "B waits for the event recorded on A at the free (nothing new is recorded on A)"
     );
-    assert_eq!(dev.counters().syncs, 0, "no device-wide wait");
-    // the event recorded when A's block was freed completes: A's pages are idle
+    assert_eq!(s.num_cross_stream_moves, 1);
+    assert_eq!(dev.counters().stream_waits, 1);
+    assert_eq!(dev.counters().syncs, 0, "no host wait");
+    // the event completes: pages B frees are idle once B's own checkpoint completes, and A
+    // takes them without a stream wait
     dev.complete_events();
-    let _c = alloc(&mut p, B, 100 * MIB);
-    let s = p.stats();
-    assert!(s.unmapped_bytes >= 98 * MIB, "A's pages moved to B");
-    assert_eq!(s.num_unmap_syncs, 0);
+    let c = alloc(&mut p, B, 50 * MIB);
+    free(&mut p, c);
+    dev.complete_events();
+    let _d = alloc(&mut p, A, 50 * MIB);
+    assert_eq!(dev.counters().stream_waits, 1);
+    assert!(p.stats().unmapped_bytes >= 146 * MIB);
+    assert_eq!(p.stats().num_unmap_syncs, 0);
     assert_eq!(dev.counters().syncs, 0);
     p.check_invariants().unwrap();
 }
