@@ -23,6 +23,8 @@ Workloads (seeded; bf16 autocast where training):
   resres  ResNet-50 training at an image size drawn per step (128..288), batch 32
   serve   a serving loop: requests arrive and finish at random, each with its own KV cache
           grown by torch.cat, up to 8 in flight (time: whole run)
+  streams two decoders (d=1024 x 6 layers, d=768 x 8) trained side by side on two streams,
+          sequence length drawn per step (256..1024), AdamW
 """
 import argparse
 import json
@@ -40,7 +42,7 @@ SETTINGS = {
     # page moves held to 1% of the wall time (the slack grows beyond it)
     "gpumem_budget": {"GPUMEM_CONF": "expandable_move_budget:0.01"},
 }
-WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve"]
+WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -83,6 +85,30 @@ def run_gpt(torch, steps, varlen):
         seq = 64 * int(torch.randint(2, 17, (1,), generator=g)) if varlen else 1024
         x = torch.randint(0, 32000, (8, seq), generator=g).cuda()
         yield lm_step(torch, m, opt, x)
+
+
+def run_streams(torch, steps):
+    # two decoders trained side by side, each on its own stream (a step of one is queued while
+    # the other's still runs), with a sequence length drawn per step: each stream frees pages
+    # the other may want while the GPU is still behind
+    shapes = [(1024, 6), (768, 8)]
+    models = [decoder(torch, d=d, layers=n) for d, n in shapes]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]
+    streams = [torch.cuda.Stream() for _ in models]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    g = torch.Generator().manual_seed(8)
+    for _ in range(steps):
+        losses = []
+        for m, opt, s in zip(models, opts, streams):
+            seq = 64 * int(torch.randint(4, 17, (1,), generator=g))
+            x = torch.randint(0, 32000, (8, seq), generator=g)
+            with torch.cuda.stream(s):
+                losses.append(lm_step(torch, m, opt, x.cuda(non_blocking=False)))
+        for s, loss in zip(streams, losses):
+            torch.cuda.current_stream().wait_stream(s)
+            loss.record_stream(torch.cuda.current_stream())
+        yield sum(loss.detach() for loss in losses)
 
 
 def run_resnet(torch, steps, sizes=None, batch=64):
@@ -284,6 +310,7 @@ def worker(workload, setting, steps):
         "moe": lambda: run_moe(torch, steps),
         "resres": lambda: run_resnet(torch, steps, sizes=[128, 160, 192, 224, 256, 288], batch=32),
         "serve": lambda: run_serve(torch, 100 * steps),
+        "streams": lambda: run_streams(torch, steps),
     }[workload]()
     times, losses = [], []
     warm = 3
