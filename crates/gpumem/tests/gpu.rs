@@ -3,7 +3,7 @@
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use gpumem::resource::StreamOps;
+use gpumem::resource::{StreamOps, VmmCalls};
 use gpumem::Device;
 use gpumem::{Config, DeviceBuffer, Error, Stream};
 use std::sync::Arc;
@@ -361,6 +361,88 @@ fn expandable_segments_grow_in_place_keep_data_and_shrink() {
     );
 }
 
+/// What [`pages_move_under_a_running_kernel`] saw.
+struct MoveUnderKernel {
+    stats: gpumem::Stats,
+    /// the page engine's calls before the block was freed, after the allocation, at the end
+    before: VmmCalls,
+    after: VmmCalls,
+    end: VmmCalls,
+    /// how long the allocation took
+    took: std::time::Duration,
+}
+
+/// A 64 MiB block on stream `sa` is read by a ~200 ms kernel and freed while the kernel runs;
+/// then 100 MiB, which do not fit in its hole, are allocated on `sb` (`sa` itself, or another
+/// stream) and filled there. Asserts what both cases share: the block's memory backs the new
+/// one (moved, not waited for), the kernel read the old data and the new block holds its own.
+fn pages_move_under_a_running_kernel(
+    g: &Gpu,
+    sa: &Arc<CudaStream>,
+    sb: &Arc<CudaStream>,
+) -> MoveUnderKernel {
+    let (a_s, b_s) = (Stream::from(&**sa), Stream::from(&**sb));
+    let a = Device::cuda(
+        0,
+        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
+    )
+    .unwrap();
+    let n = 64 * MIB / 4;
+    // another stream is made known to the pool first
+    let z = (a_s != b_s).then(|| DeviceBuffer::<u32>::zeroed(&a, b_s, 1024).unwrap());
+    let mut x = DeviceBuffer::<u32>::alloc(&a, a_s, n).unwrap();
+    fill(g, sa, &mut x, 0x3333_3333);
+    let mut out = DeviceBuffer::<u32>::zeroed(&a, a_s, n).unwrap();
+    let (nn, cycles) = (n as u64, 400_000_000i64); // ~200 ms
+    let mut l = sa.launch_builder(&g.slow_copy);
+    l.arg(&mut out).arg(&x).arg(&nn).arg(&cycles);
+    // SAFETY: both buffers hold n u32s.
+    unsafe { l.launch(cfg(n)) }.unwrap();
+    let vmm = a.backend().virtual_memory().expect("pages");
+    let before = vmm.calls();
+    drop(x); // freed on its stream while the kernel has still to read it
+    let t = std::time::Instant::now();
+    let mut y = DeviceBuffer::<u32>::alloc(&a, b_s, 100 * MIB / 4).unwrap();
+    let took = t.elapsed();
+    fill(g, sb, &mut y, 0x5555_5555); // runs after the kernel
+    let (stats, after) = (a.stats(), vmm.calls());
+    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
+    assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
+    assert!(
+        after.aliased - before.aliased >= 30,
+        "x's memory backs y: {after:?}"
+    );
+    assert!(
+        took < std::time::Duration::from_millis(100),
+        "the allocation waited for the kernel: {took:?}"
+    );
+    sa.synchronize().unwrap();
+    sb.synchronize().unwrap();
+    for (buf, value, what) in [
+        (&out, 0x3333_3333, "the kernel read"),
+        (&y, 0x5555_5555, "the new block holds"),
+    ] {
+        let bad = buf
+            .to_vec()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .filter(|&(i, &v)| v != value ^ i as u32)
+            .count();
+        assert_eq!(bad, 0, "{what} {bad} wrong words");
+    }
+    let end = vmm.calls();
+    drop((y, out, z));
+    a.empty_cache();
+    MoveUnderKernel {
+        stats,
+        before,
+        after,
+        end,
+        took,
+    }
+}
+
 /// A block freed while a kernel still reads it, on the kernel's stream: its pages move in
 /// stream order. The next allocation on that stream gets their memory at once (mapped at its
 /// own addresses; the stream runs the kernel first), without waiting for the kernel, and the
@@ -372,66 +454,16 @@ fn expandable_segments_grow_in_place_keep_data_and_shrink() {
 fn pages_move_in_stream_order_under_a_running_kernel() {
     let g = gpu();
     let st = g.ctx.new_stream().unwrap();
-    let s = Stream::from(&*st);
-    let a = Device::cuda(
-        0,
-        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
-    )
-    .unwrap();
-    let n = 64 * MIB / 4;
-    let mut x = DeviceBuffer::<u32>::alloc(&a, s, n).unwrap();
-    fill(&g, &st, &mut x, 0x3333_3333);
-    let mut out = DeviceBuffer::<u32>::zeroed(&a, s, n).unwrap();
-    let (nn, cycles) = (n as u64, 400_000_000i64); // ~200 ms
-    let mut l = st.launch_builder(&g.slow_copy);
-    l.arg(&mut out).arg(&x).arg(&nn).arg(&cycles);
-    // SAFETY: both buffers hold n u32s.
-    unsafe { l.launch(cfg(n)) }.unwrap();
-    let vmm = a.backend().virtual_memory().expect("pages");
-    let before = vmm.calls();
-    drop(x); // freed on its stream while the kernel has still to read it
-             // 100 MiB does not fit in x's hole: x's pages back it, moved in stream order
-    let t = std::time::Instant::now();
-    let mut y = DeviceBuffer::<u32>::alloc(&a, s, 100 * MIB / 4).unwrap();
-    let took = t.elapsed();
-    fill(&g, &st, &mut y, 0x5555_5555); // runs after the kernel
-    let stats = a.stats();
-    let calls = vmm.calls();
-    assert!(stats.num_ordered_unmaps >= 1, "{stats:?}");
-    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
-    assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
-    assert!(
-        calls.aliased - before.aliased >= 30,
-        "x's memory backs y: {calls:?}"
-    );
-    assert!(
-        took < std::time::Duration::from_millis(100),
-        "the allocation waited for the kernel: {took:?}"
-    );
-    st.synchronize().unwrap();
-    let got = out.to_vec().unwrap();
-    let bad = got
-        .iter()
-        .enumerate()
-        .filter(|&(i, &v)| v != 0x3333_3333 ^ i as u32)
-        .count();
-    assert_eq!(bad, 0, "the kernel read {bad} wrong words");
-    let got = y.to_vec().unwrap();
-    let bad = got
-        .iter()
-        .enumerate()
-        .filter(|&(i, &v)| v != 0x5555_5555 ^ i as u32)
-        .count();
-    assert_eq!(bad, 0, "the new block holds {bad} wrong words");
+    let m = pages_move_under_a_running_kernel(&g, &st, &st);
+    assert!(m.stats.num_ordered_unmaps >= 1, "{:?}", m.stats);
     // nothing was unmapped under the kernel: x's addresses keep their memory mapped (it is
     // y's now; nothing uses those addresses) until a map needs them for other memory
-    assert_eq!(vmm.calls().unmaps, before.unmaps, "{:?}", vmm.calls());
+    assert_eq!(m.end.unmaps, m.before.unmaps, "{:?}", m.end);
     println!(
-        "moved in stream order: {} pages aliased, allocation took {took:?}",
-        calls.aliased - before.aliased
+        "moved in stream order: {} pages aliased, allocation took {:?}",
+        m.after.aliased - m.before.aliased,
+        m.took
     );
-    drop(y);
-    a.empty_cache();
 }
 
 /// A block freed on one stream while a kernel there still reads it; another stream then needs
@@ -443,66 +475,13 @@ fn pages_move_in_stream_order_under_a_running_kernel() {
 fn another_streams_pages_move_after_its_running_kernel() {
     let g = gpu();
     let (sa, sb) = (g.ctx.new_stream().unwrap(), g.ctx.new_stream().unwrap());
-    let (a_s, b_s) = (Stream::from(&*sa), Stream::from(&*sb));
-    let a = Device::cuda(
-        0,
-        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
-    )
-    .unwrap();
-    let n = 64 * MIB / 4;
-    let z = DeviceBuffer::<u32>::zeroed(&a, b_s, 1024).unwrap(); // b's stream is known
-    let mut x = DeviceBuffer::<u32>::alloc(&a, a_s, n).unwrap();
-    fill(&g, &sa, &mut x, 0x3333_3333);
-    let mut out = DeviceBuffer::<u32>::zeroed(&a, a_s, n).unwrap();
-    let (nn, cycles) = (n as u64, 400_000_000i64); // ~200 ms
-    let mut l = sa.launch_builder(&g.slow_copy);
-    l.arg(&mut out).arg(&x).arg(&nn).arg(&cycles);
-    // SAFETY: both buffers hold n u32s.
-    unsafe { l.launch(cfg(n)) }.unwrap();
-    let vmm = a.backend().virtual_memory().expect("pages");
-    let before = vmm.calls();
-    drop(x); // freed on stream a while the kernel has still to read it
-    let t = std::time::Instant::now();
-    let mut y = DeviceBuffer::<u32>::alloc(&a, b_s, 100 * MIB / 4).unwrap();
-    let took = t.elapsed();
-    fill(&g, &sb, &mut y, 0x5555_5555); // waits for the kernel on stream a
-    let stats = a.stats();
-    let calls = vmm.calls();
-    assert!(stats.num_cross_stream_moves >= 1, "{stats:?}");
-    assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
-    assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
-    assert!(
-        calls.aliased - before.aliased >= 30,
-        "x's memory backs y: {calls:?}"
-    );
-    assert!(
-        took < std::time::Duration::from_millis(100),
-        "the allocation waited for the kernel: {took:?}"
-    );
-    sa.synchronize().unwrap();
-    sb.synchronize().unwrap();
-    let bad = out
-        .to_vec()
-        .unwrap()
-        .iter()
-        .enumerate()
-        .filter(|&(i, &v)| v != 0x3333_3333 ^ i as u32)
-        .count();
-    assert_eq!(bad, 0, "the kernel read {bad} wrong words");
-    let bad = y
-        .to_vec()
-        .unwrap()
-        .iter()
-        .enumerate()
-        .filter(|&(i, &v)| v != 0x5555_5555 ^ i as u32)
-        .count();
-    assert_eq!(bad, 0, "the new block holds {bad} wrong words");
+    let m = pages_move_under_a_running_kernel(&g, &sa, &sb);
+    assert!(m.stats.num_cross_stream_moves >= 1, "{:?}", m.stats);
     println!(
-        "moved across streams: {} pages aliased, allocation took {took:?}",
-        calls.aliased - before.aliased
+        "moved across streams: {} pages aliased, allocation took {:?}",
+        m.after.aliased - m.before.aliased,
+        m.took
     );
-    drop((y, out, z));
-    a.empty_cache();
 }
 
 /// Replaying a trace with real CUDA allocations reserves what the simulation says, within 1%.
