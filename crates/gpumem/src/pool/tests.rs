@@ -503,6 +503,25 @@ fn a_device_without_virtual_memory_gets_classic_segments() {
     assert!(!p.expandable());
 }
 
+/// Pages moved on the allocation path with no wait on the host: at least `unmapped` bytes
+/// unmapped so far, the reserved peak at most `peak`.
+fn assert_moved_without_waiting(p: &CachingPool, dev: &SimulatedDevice, unmapped: u64, peak: u64) {
+    let s = p.stats();
+    assert_eq!(s.num_unmap_syncs, 0, "no wait on the allocation path");
+    assert_eq!(dev.counters().syncs, 0);
+    assert!(
+        s.unmapped_bytes >= unmapped,
+        "unmapped {}",
+        s.unmapped_bytes
+    );
+    assert!(
+        s.reserved_bytes.all.peak <= peak,
+        "peak {}",
+        s.reserved_bytes.all.peak
+    );
+    p.check_invariants().unwrap();
+}
+
 #[test]
 fn another_streams_busy_pages_move_in_the_allocating_streams_order() {
     let (mut p, dev) = vmm_pool(1 << 40);
@@ -526,19 +545,7 @@ fn another_streams_busy_pages_move_in_the_allocating_streams_order() {
     let s = p.stats();
     assert_eq!(s.num_cross_stream_moves, 1, "{s:?}");
     assert_eq!(dev.counters().stream_waits, waits + 1);
-    assert_eq!(s.num_unmap_syncs, 0, "no wait on the allocation path");
-    assert_eq!(dev.counters().syncs, 0);
-    assert!(
-        s.unmapped_bytes >= 88 * MIB,
-        "unmapped {}",
-        s.unmapped_bytes
-    );
-    assert!(
-        s.reserved_bytes.all.peak <= 210 * MIB + 4 * PAGE,
-        "peak {}",
-        s.reserved_bytes.all.peak
-    );
-    p.check_invariants().unwrap();
+    assert_moved_without_waiting(&p, &dev, 88 * MIB, 210 * MIB + 4 * PAGE);
     // with one stream only, a free records no more than one outstanding checkpoint
     let (mut q, dev) = vmm_pool(1 << 40);
     dev.set_auto_complete(false);
@@ -561,20 +568,8 @@ fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
     // new block's memory is theirs, A runs the old work first), with no wait and no growth
     let _c = alloc(&mut p, A, 150 * MIB);
     let s = p.stats();
-    assert_eq!(s.num_unmap_syncs, 0, "no wait on the allocation path");
-    assert_eq!(dev.counters().syncs, 0);
     assert!(s.num_ordered_unmaps >= 1, "{s:?}");
-    assert!(
-        s.unmapped_bytes >= 98 * MIB,
-        "unmapped {}",
-        s.unmapped_bytes
-    );
-    assert!(
-        s.reserved_bytes.all.peak <= 250 * MIB + 2 * PAGE,
-        "peak {}",
-        s.reserved_bytes.all.peak
-    );
-    p.check_invariants().unwrap();
+    assert_moved_without_waiting(&p, &dev, 98 * MIB, 250 * MIB + 2 * PAGE);
     // another stream's busy pages move in A's order, A made to wait for B's checkpoint on
     // the GPU (not on the host)
     let (d, e) = (alloc(&mut p, B, 60 * MIB), alloc(&mut p, B, 60 * MIB));
