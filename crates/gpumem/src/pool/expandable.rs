@@ -301,16 +301,26 @@ impl CachingPool {
                 continue;
             }
             let own = Some(owner) == current;
-            if own && !may_wait {
-                // 2: the stream's own pages move in stream order, in runs of a few pages at
-                // least: the old addresses stay unusable until the stream's work passes them,
-                // which for small runs scattered among live blocks costs more than it saves
-                let runs: Vec<(u64, u64)> = self
-                    .free_mapped_runs(seg, want - got, u64::MAX)
-                    .into_iter()
-                    .filter(|r| r.1 >= MIN_ORDERED_RUN)
-                    .collect();
-                got += self.unmap_runs_after(seg, runs, owner, true);
+            if !may_wait {
+                // 2: on the allocation path, busy pages move in the allocating stream's order
+                match current {
+                    Some(_) if own => {
+                        // its own pages, in runs of a few pages at least: the old addresses
+                        // stay unusable until the stream's work passes them, which for small
+                        // runs scattered among live blocks costs more than it saves
+                        let runs: Vec<(u64, u64)> = self
+                            .free_mapped_runs(seg, want - got, u64::MAX)
+                            .into_iter()
+                            .filter(|r| r.1 >= MIN_ORDERED_RUN)
+                            .collect();
+                        got += self.unmap_runs_after(seg, runs, owner, true);
+                    }
+                    Some(cur) => {
+                        got +=
+                            self.move_across_streams(seg, owner, cur, want - got, &mut waited_for)
+                    }
+                    None => {}
+                }
                 continue;
             }
             if own {
@@ -325,12 +335,6 @@ impl CachingPool {
                 if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
                     continue;
                 }
-            }
-            if !may_wait {
-                if let (false, Some(cur)) = (own, current) {
-                    got += self.move_across_streams(seg, owner, cur, want - got, &mut waited_for);
-                }
-                continue;
             }
             // 3: wait for the stream (or the device), then the rest is idle
             let waited = if own {
