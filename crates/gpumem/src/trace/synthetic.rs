@@ -13,7 +13,9 @@
 //! - [`Kind::Serving`]: a serving loop: requests arrive and finish at random, each with its own
 //!   per-layer caches grown by concatenation;
 //! - [`Kind::MixedTinyHuge`]: many short-lived tiny tensors next to a few huge, long-lived ones;
-//! - [`Kind::MultiStream`]: two to four streams each running its own training loop, interleaved;
+//! - [`Kind::MultiStream`]: two to four streams each running its own training loop, their
+//!   events interleaved (host threads of their own) or each stream's step queued in turn (one
+//!   host thread that waits for all streams after each round);
 //! - [`Kind::ConvTraining`]: convnet training with fixed shapes (a ResNet-like ladder of sizes);
 //! - [`Kind::ConvVariableResolution`]: the same at an image size drawn per step.
 //!
@@ -160,6 +162,7 @@ impl Kind {
             Kind::MixedTinyHuge => t.mixed(steps),
             Kind::MultiStream => {
                 let streams = 2 + t.rng.below(3);
+                let in_turn = t.rng.below(2) == 0;
                 let shapes: Vec<(u64, u64, u64)> = (0..streams)
                     .map(|_| {
                         let d = [512, 768, 1024][t.rng.below(3) as usize];
@@ -171,7 +174,8 @@ impl Kind {
                     .flat_map(|&(layers, d, _)| t.weights(layers, d, 0))
                     .collect();
                 for _ in 0..steps {
-                    // the loops' events interleave in chunks, as streams' host threads do
+                    // the loops' events interleave in chunks, as streams' host threads do, or
+                    // one thread queues each stream's step in turn
                     let mut parts: Vec<Vec<TraceEvent>> = Vec::new();
                     for (s, &(layers, d, batch)) in shapes.iter().enumerate() {
                         let mut sub = Builder::with_addr(t.rng.next_u64(), t.next_addr);
@@ -180,7 +184,11 @@ impl Kind {
                         t.next_addr = sub.next_addr;
                         parts.push(sub.events);
                     }
-                    t.interleave(parts);
+                    if in_turn {
+                        t.in_turn(parts);
+                    } else {
+                        t.interleave(parts);
+                    }
                 }
                 t.free_all(w);
             }
@@ -593,6 +601,17 @@ impl Builder {
     }
 
     /// Append the events of `parts` interleaved in chunks of a few events.
+    /// Append `parts` one after the other.
+    fn in_turn(&mut self, parts: Vec<Vec<TraceEvent>>) {
+        for e in parts.iter().flatten() {
+            self.time += 1;
+            self.events.push(TraceEvent {
+                time_us: self.time,
+                ..*e
+            });
+        }
+    }
+
     fn interleave(&mut self, parts: Vec<Vec<TraceEvent>>) {
         let mut cursors = vec![0usize; parts.len()];
         loop {
