@@ -352,7 +352,8 @@ def worker(workload, setting, steps):
             for k in ("num_device_alloc", "num_device_free", "num_unmap_syncs", "num_ooms",
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
-                      "num_ordered_unmaps", "expandable_slack_level")
+                      "num_ordered_unmaps", "num_cross_stream_moves", "num_cross_stream_blocks",
+                      "expandable_slack_level")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:

@@ -484,6 +484,90 @@ fn another_streams_pages_move_after_its_running_kernel() {
     );
 }
 
+/// Words of `buf` that are not `value ^ index` (the pattern `fill` writes).
+fn wrong_words(buf: &DeviceBuffer<u32>, value: u32) -> usize {
+    let v = buf.to_vec().unwrap();
+    v.iter()
+        .enumerate()
+        .filter(|&(i, &w)| w != value ^ i as u32)
+        .count()
+}
+
+/// Two streams taking turns. A block freed on stream A while a kernel there still reads it is
+/// lent to stream B, which would otherwise have to move pages: B's allocation takes the
+/// block's memory with no driver call and no host wait, and B's writes run after A's kernel
+/// (B waits for A's checkpoint on the GPU). Given back while a kernel on B still reads it, the
+/// block serves A again, and A's writes run after B's kernel. Every kernel reads what it
+/// should.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_free_block_is_lent_to_another_stream_after_its_running_kernel() {
+    let g = gpu();
+    let (sa, sb) = (g.ctx.new_stream().unwrap(), g.ctx.new_stream().unwrap());
+    let (a_s, b_s) = (Stream::from(&*sa), Stream::from(&*sb));
+    let a = Device::cuda(
+        0,
+        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
+    )
+    .unwrap();
+    let (n, m) = (64 * MIB / 4, 48 * MIB / 4);
+    let cycles = 400_000_000i64; // ~200 ms
+    let mut out_b = DeviceBuffer::<u32>::zeroed(&a, b_s, m).unwrap();
+    let mut x = DeviceBuffer::<u32>::alloc(&a, a_s, n).unwrap();
+    fill(&g, &sa, &mut x, 0x3333_3333);
+    let mut out_a = DeviceBuffer::<u32>::zeroed(&a, a_s, n).unwrap();
+    let nn = n as u64;
+    let mut l = sa.launch_builder(&g.slow_copy);
+    l.arg(&mut out_a).arg(&x).arg(&nn).arg(&cycles);
+    // SAFETY: both buffers hold n u32s.
+    unsafe { l.launch(cfg(n)) }.unwrap();
+    let vmm = a.backend().virtual_memory().expect("pages");
+    let (x_addr, before) = (x.device_ptr(), vmm.calls());
+    drop(x); // freed on A while A's kernel has still to read it
+    let t = std::time::Instant::now();
+    let mut y = DeviceBuffer::<u32>::alloc(&a, b_s, m).unwrap();
+    let took = t.elapsed();
+    let after = vmm.calls();
+    fill(&g, &sb, &mut y, 0x5555_5555); // runs after A's kernel
+    let stats = a.stats();
+    assert_eq!(y.device_ptr(), x_addr, "x's block is lent to B: {stats:?}");
+    assert_eq!(stats.num_cross_stream_blocks, 1, "{stats:?}");
+    assert_eq!((after.maps, after.unmaps), (before.maps, before.unmaps));
+    assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
+    assert!(
+        took < std::time::Duration::from_millis(100),
+        "the allocation waited for the kernel: {took:?}"
+    );
+    // B's kernel reads y; y goes back while it runs, and A takes the block again
+    let mm = m as u64;
+    let mut l = sb.launch_builder(&g.slow_copy);
+    l.arg(&mut out_b).arg(&y).arg(&mm).arg(&cycles);
+    // SAFETY: both buffers hold m u32s.
+    unsafe { l.launch(cfg(m)) }.unwrap();
+    drop(y);
+    let t = std::time::Instant::now();
+    let mut w = DeviceBuffer::<u32>::alloc(&a, a_s, m).unwrap();
+    let took_back = t.elapsed();
+    assert_eq!(w.device_ptr(), x_addr, "the owner reuses its block");
+    fill(&g, &sa, &mut w, 0x7777_7777); // runs after B's kernel
+    assert!(
+        took_back < std::time::Duration::from_millis(100),
+        "{took_back:?}"
+    );
+    sa.synchronize().unwrap();
+    sb.synchronize().unwrap();
+    assert_eq!(wrong_words(&out_a, 0x3333_3333), 0, "A's kernel read x");
+    assert_eq!(wrong_words(&out_b, 0x5555_5555), 0, "B's kernel read y");
+    assert_eq!(wrong_words(&w, 0x7777_7777), 0, "w holds its own");
+    assert_eq!(a.stats().num_unmap_syncs, 0);
+    println!(
+        "lent across streams: allocations took {took:?} and {took_back:?}, {} stream waits",
+        a.stats().num_cross_stream_moves
+    );
+    drop((w, out_a, out_b));
+    a.empty_cache();
+}
+
 /// Replaying a trace with real CUDA allocations reserves what the simulation says, within 1%.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -108,6 +108,9 @@ impl CachingPool {
         if next != NIL {
             self.blocks[next as usize].prev = r;
         }
+        if !self.foreign.is_empty() {
+            self.split_foreign(id, r);
+        }
         let b = &mut self.blocks[id as usize];
         b.next = r;
         b.size = size;
@@ -115,8 +118,26 @@ impl CachingPool {
 
     /// Put a block that is neither free nor quick into its free set, coalescing neighbours.
     pub(super) fn free_block(&mut self, id: u32) {
+        self.free_block_used_by(id, None);
+    }
+
+    /// [`CachingPool::free_block`] for a block last used by `lent_to` (a stream other than its
+    /// own: see `lending.rs`) or by its own stream (`None`). A lent block's pages keep their
+    /// owner's free ticks; the block remembers the other stream's free instead, with a
+    /// checkpoint recorded there.
+    pub(super) fn free_block_used_by(&mut self, id: u32, lent_to: Option<Stream>) {
         self.tick += 1;
-        if self.policy.page.is_some() {
+        if let Some(user) = lent_to {
+            let b = &self.blocks[id as usize];
+            let used = ForeignUse {
+                stream: user,
+                tick: self.tick,
+                lo: b.addr,
+                hi: b.addr + b.size,
+            };
+            self.checkpoint_on_free(user, true, true);
+            self.foreign.entry(id).or_default().push(used);
+        } else if self.policy.page.is_some() {
             let page = self.policy.page.unwrap_or(MIN_BLOCK);
             let b = &self.blocks[id as usize];
             let (addr, size, tick) = (b.addr, b.size, self.tick);
@@ -129,8 +150,6 @@ impl CachingPool {
                     tick,
                 );
             }
-            let stream = s.stream;
-            self.checkpoint_on_free(stream, size >= page);
         }
         let mut id = id;
         let (prev, stream) = {
@@ -139,6 +158,7 @@ impl CachingPool {
         };
         if prev != NIL && self.is_mergeable(prev, stream) {
             self.leave_free(prev);
+            self.merge_foreign(id, prev);
             let b = self.release_block(id);
             let p = &mut self.blocks[prev as usize];
             p.size += b.size;
@@ -151,6 +171,7 @@ impl CachingPool {
         let next = self.blocks[id as usize].next;
         if next != NIL && self.is_mergeable(next, stream) {
             self.leave_free(next);
+            self.merge_foreign(next, id);
             let n = self.release_block(next);
             let b = &mut self.blocks[id as usize];
             b.size += n.size;
@@ -161,6 +182,19 @@ impl CachingPool {
         }
         let seg = self.blocks[id as usize].segment;
         self.segments[seg as usize].last_used = self.tick;
+        if lent_to.is_none() {
+            if let Some(page) = self.policy.page {
+                // a checkpoint by which another stream may take the freed pages: at each free
+                // of a large block (its pages, whole or not, may become wholly free later by
+                // frees that record none here: a lent block given back), and where a small
+                // block's free left a whole free page
+                let b = &self.blocks[id as usize];
+                let base = self.segments[seg as usize].addr;
+                let whole = b.kind == PoolKind::Large
+                    || (b.addr - base).div_ceil(page) < (b.addr + b.size - base) / page;
+                self.checkpoint_on_free(stream, whole, false);
+            }
+        }
         self.enter_free(id);
     }
 
@@ -278,6 +312,7 @@ impl CachingPool {
             (s.addr, s.size, s.stream, s.kind, s.head)
         };
         self.leave_free(head);
+        self.foreign.remove(&head);
         self.release_block(head);
         self.segment_index.remove(&addr);
         self.spare_segments.push(seg);

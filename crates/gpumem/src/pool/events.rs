@@ -15,9 +15,8 @@ pub(super) struct StreamCheckpoints {
 }
 
 impl StreamCheckpoints {
-    /// Outstanding checkpoints one stream may have; past it, no more are recorded until the
-    /// oldest completes (the newest then covers fewer of the latest frees: only another
-    /// stream's moves lose by it).
+    /// Outstanding checkpoints one stream may have; past it, a new one replaces the newest
+    /// (which it covers too): the latest frees are then covered by fewer, later events.
     const MAX_OUTSTANDING: usize = 128;
 }
 
@@ -63,6 +62,78 @@ impl CachingPool {
             .and_then(|c| c.outstanding.back().copied())
     }
 
+    /// The oldest checkpoint on `stream` not known complete that covers free tick `tick`.
+    pub(super) fn covering_checkpoint(&self, stream: Stream, tick: u64) -> Option<(Event, u64)> {
+        self.checkpoints
+            .iter()
+            .find(|c| c.stream == stream)
+            .and_then(|c| c.outstanding.iter().find(|&&(_, t)| t >= tick).copied())
+    }
+
+    /// The highest free tick known idle on `stream`, without polling its events.
+    pub(super) fn known_safe(&self, stream: Stream) -> u64 {
+        self.checkpoints
+            .iter()
+            .find(|c| c.stream == stream)
+            .map_or(0, |c| c.safe)
+            .max(self.device_safe)
+    }
+
+    /// Whether `waiter` can be ordered after `other`'s frees up to `tick` without waiting on
+    /// the host: they are idle, `waiter` waited for them already, or a checkpoint covers them.
+    pub(super) fn can_order_after(&mut self, waiter: Stream, other: Stream, tick: u64) -> bool {
+        waiter == other
+            || self.safe_tick(other) >= tick
+            || self
+                .cross_waited
+                .iter()
+                .any(|&(w, o, t)| w == waiter && o == other && t >= tick)
+            || self.covering_checkpoint(other, tick).is_some()
+    }
+
+    /// Order the work queued on `waiter` from now on after `other`'s work up to its free tick
+    /// `tick`: nothing to do when that is idle or `waiter` waited for it already; otherwise
+    /// `waiter` waits on the GPU for the oldest checkpoint covering it (a wait recorded while
+    /// `waiter` captures a graph would be part of the graph: the host waits for that event
+    /// instead), or, with no such checkpoint, the host waits for `other` (the device, if
+    /// `other` is gone).
+    pub(super) fn order_after(&mut self, waiter: Stream, other: Stream, tick: u64) {
+        if waiter == other || self.safe_tick(other) >= tick {
+            return;
+        }
+        if self
+            .cross_waited
+            .iter()
+            .any(|&(w, o, t)| w == waiter && o == other && t >= tick)
+        {
+            return;
+        }
+        if let Some((ev, covers)) = self.covering_checkpoint(other, tick) {
+            if !self.capturing(waiter) && self.backend.wait_event(waiter, ev).is_ok() {
+                self.stats.num_cross_stream_moves += 1;
+                match self
+                    .cross_waited
+                    .iter_mut()
+                    .find(|(w, o, _)| *w == waiter && *o == other)
+                {
+                    Some(entry) => entry.2 = entry.2.max(covers),
+                    None => self.cross_waited.push((waiter, other, covers)),
+                }
+                return;
+            }
+            if self.backend.sync_event(ev).is_ok() {
+                self.set_safe(other, covers);
+                return;
+            }
+        }
+        self.stats.num_unmap_syncs += 1;
+        if self.backend.synchronize(other).is_ok() {
+            self.set_safe(other, tick);
+        } else if self.backend.synchronize_device().is_ok() {
+            self.device_safe = self.device_safe.max(tick);
+        }
+    }
+
     pub(super) fn set_safe(&mut self, stream: Stream, tick: u64) {
         let c = self.checkpoints_of(stream);
         c.safe = c.safe.max(tick);
@@ -72,7 +143,7 @@ impl CachingPool {
     /// retired first).
     pub(super) fn checkpoint(&mut self, stream: Stream) {
         self.safe_tick(stream);
-        self.checkpoint_on_free(stream, false);
+        self.checkpoint_on_free(stream, false, false);
     }
 
     /// A checkpoint on `stream`, recorded when a block of the stream is freed (the stream is
@@ -82,8 +153,9 @@ impl CachingPool {
     /// (reclaiming refreshes its own). With several streams, another stream's allocation can
     /// take these pages only through a checkpoint that covers them, so a freed block of a page
     /// or more (`spans_page`) gets a fresh one (completed ones are retired first): one
-    /// event record per such free, none for smaller blocks.
-    pub(super) fn checkpoint_on_free(&mut self, stream: Stream, spans_page: bool) {
+    /// event record per such free, none for smaller blocks. A lent block given back (`lent`)
+    /// always gets one: its owner's next use waits for it.
+    pub(super) fn checkpoint_on_free(&mut self, stream: Stream, spans_page: bool, lent: bool) {
         if self.capturing(stream) {
             return; // an event recorded now would be part of the graph
         }
@@ -97,20 +169,22 @@ impl CachingPool {
             let c = self.checkpoints_of(stream);
             let fresh = match c.outstanding.back() {
                 None => true,
-                Some(&(_, last)) => {
-                    spans_page
-                        && last < tick
-                        && c.outstanding.len() < StreamCheckpoints::MAX_OUTSTANDING
-                }
+                Some(&(_, last)) => last < tick && (lent || spans_page),
             };
             if !fresh {
                 return;
             }
         }
         if let Ok(ev) = self.backend.record_event(stream) {
-            self.checkpoints_of(stream)
-                .outstanding
-                .push_back((ev, tick));
+            let c = self.checkpoints_of(stream);
+            // at the cap, the new event replaces the newest (it covers all that one did)
+            let replaced = (c.outstanding.len() >= StreamCheckpoints::MAX_OUTSTANDING)
+                .then(|| c.outstanding.pop_back())
+                .flatten();
+            c.outstanding.push_back((ev, tick));
+            if let Some((old, _)) = replaced {
+                self.backend.destroy_event(old);
+            }
         }
     }
 
@@ -139,11 +213,14 @@ impl CachingPool {
 
     /// [`CachingPool::record_stream`] for block `id` at `addr`.
     pub fn record_stream_id(&mut self, id: u32, addr: DevPtr, stream: Stream) -> Result<()> {
+        let lent_to = self.lent.get(&id).copied();
         let b = match self.blocks.get_mut(id as usize) {
             Some(b) if b.addr == addr && b.state == State::Allocated => b,
             _ => return Err(Error::UnknownPointer { ptr: addr }),
         };
-        if b.stream != stream {
+        // a lent block is used by the stream it was lent to; its own stream is another user
+        let user = lent_to.unwrap_or(b.stream);
+        if user != stream {
             let uses = b.uses.get_or_insert_with(Default::default);
             if !uses.contains(&stream) {
                 uses.push(stream);

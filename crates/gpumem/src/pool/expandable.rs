@@ -20,7 +20,7 @@ impl CachingPool {
     ) -> Result<u32> {
         // a block whose pages are all mapped needs no driver call: the smallest such among the
         // few smallest that fit, before the best fit that would map pages
-        let found = match found {
+        let mut found = match found {
             Some(id) if !self.mapped_under(id, size) => match self.mapped_fit(stream, size, kind) {
                 Some(m) => {
                     self.enter_free(id);
@@ -30,6 +30,21 @@ impl CachingPool {
             },
             f => f,
         };
+        // with several streams, a free mapped block of another stream's segment rather than
+        // pages moved (see `lending.rs`)
+        let mut borrowed = None;
+        if self.streams.len() >= 2
+            && self.shared.captures.load(Ordering::Relaxed) == 0
+            && self.would_move(found, size)
+        {
+            if let Some((id, owner, tick)) = self.borrow(stream, size, kind) {
+                if let Some(f) = found {
+                    self.enter_free(f);
+                }
+                found = Some(id);
+                borrowed = Some((owner, tick));
+            }
+        }
         // pages that moved away from the block in stream order and are not known idle yet
         // need no wait: their memory lingers there for the stream's next map (see
         // `resource::page_map`), or the map waits for the old work before unmapping
@@ -59,10 +74,12 @@ impl CachingPool {
         match self.ensure_mapped(id, stream) {
             Ok(0) => {
                 self.stats.cache_hits += 1;
+                self.settle_taken(id, stream, borrowed);
                 Ok(id)
             }
             Ok(_) => {
                 self.stats.cache_misses += 1;
+                self.settle_taken(id, stream, borrowed);
                 Ok(id)
             }
             Err(e) => {
@@ -71,6 +88,42 @@ impl CachingPool {
                 Err(e)
             }
         }
+    }
+
+    /// Bytes the pool may map with `peak` as the peak of allocated bytes: the peak plus the
+    /// slack at the churn level reached.
+    fn allowance(&self, peak: u64) -> u64 {
+        let level = self
+            .churn
+            .level
+            .max(self.shared.churn_level.load(Ordering::Relaxed));
+        let slack = self.policy.slack * f64::from(1u32 << level);
+        (peak as f64 * (1.0 + slack)) as u64
+    }
+
+    /// Whether placing `size` bytes in `found` (taken; `None`: a new segment) would move pages:
+    /// it needs pages mapped beyond the allowance.
+    fn would_move(&self, found: Option<u32>, size: u64) -> bool {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let need = match found {
+            None => size.div_ceil(page) * page,
+            Some(id) => {
+                let b = &self.blocks[id as usize];
+                let s = &self.segments[b.segment as usize];
+                let (p0, p1) = (
+                    (b.addr - s.addr) / page,
+                    (b.addr + size - s.addr).div_ceil(page),
+                );
+                match &s.pages {
+                    Some(pages) => {
+                        pages.runs(p0, p1, false).iter().map(|r| r.1).sum::<u64>() * page
+                    }
+                    None => 0,
+                }
+            }
+        };
+        let peak = self.peak_allocated.max(self.stats.allocated() + size);
+        need > 0 && self.stats.reserved() + need > self.allowance(peak)
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.
@@ -163,12 +216,7 @@ impl CachingPool {
             return Ok(0);
         }
         self.peak_allocated = self.peak_allocated.max(self.stats.allocated() + size);
-        let level = self
-            .churn
-            .level
-            .max(self.shared.churn_level.load(Ordering::Relaxed));
-        let slack = self.policy.slack * f64::from(1u32 << level);
-        let allowance = (self.peak_allocated as f64 * (1.0 + slack)) as u64;
+        let allowance = self.allowance(self.peak_allocated);
         let reserved = self.stats.reserved();
         let moving = reserved + need > allowance;
         let started = moving.then(Instant::now);
@@ -271,6 +319,12 @@ impl CachingPool {
             return 0;
         }
         self.flush_quick();
+        if !self.foreign.is_empty() {
+            // which other users of free blocks are done by now
+            for i in 0..self.checkpoints.len() {
+                self.safe_tick(self.checkpoints[i].stream);
+            }
+        }
         let mut order: Vec<u32> = self
             .segment_index
             .values()
@@ -279,8 +333,6 @@ impl CachingPool {
             .collect();
         order.sort_by_key(|&s| Some(self.segments[s as usize].stream) != current);
         let mut got = 0u64;
-        // the other streams `current` was made to wait for in this call
-        let mut waited_for: Vec<Stream> = Vec::new();
         for seg in order {
             if got >= want {
                 break;
@@ -289,7 +341,7 @@ impl CachingPool {
             // 1: pages known to be idle; on the allocation path they go straight to the map
             // that follows (no handle created for it, none left over)
             let safe = self.safe_tick(owner);
-            let runs = self.free_mapped_runs(seg, want - got, safe);
+            let runs = self.free_mapped_runs(seg, want - got, safe, None);
             got += match current {
                 Some(s) if !may_wait => self.unmap_runs_after(seg, runs, s, false),
                 _ => self.unmap_runs(seg, runs),
@@ -297,7 +349,10 @@ impl CachingPool {
             if got >= want {
                 break;
             }
-            if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
+            if self
+                .free_mapped_runs(seg, want - got, u64::MAX, current)
+                .is_empty()
+            {
                 continue;
             }
             let own = Some(owner) == current;
@@ -308,17 +363,15 @@ impl CachingPool {
                         // its own pages, in runs of a few pages at least: the old addresses
                         // stay unusable until the stream's work passes them, which for small
                         // runs scattered among live blocks costs more than it saves
+                        self.order_for_foreign(seg, owner);
                         let runs: Vec<(u64, u64)> = self
-                            .free_mapped_runs(seg, want - got, u64::MAX)
+                            .free_mapped_runs(seg, want - got, u64::MAX, Some(owner))
                             .into_iter()
                             .filter(|r| r.1 >= MIN_ORDERED_RUN)
                             .collect();
                         got += self.unmap_runs_after(seg, runs, owner, true);
                     }
-                    Some(cur) => {
-                        got +=
-                            self.move_across_streams(seg, owner, cur, want - got, &mut waited_for)
-                    }
+                    Some(cur) => got += self.move_across_streams(seg, owner, cur, want - got),
                     None => {}
                 }
                 continue;
@@ -327,12 +380,15 @@ impl CachingPool {
                 // 2: a fresh checkpoint, complete at once if the stream is idle
                 self.checkpoint(owner);
                 let safe = self.safe_tick(owner);
-                let runs = self.free_mapped_runs(seg, want - got, safe);
+                let runs = self.free_mapped_runs(seg, want - got, safe, None);
                 got += self.unmap_runs(seg, runs);
                 if got >= want {
                     break;
                 }
-                if self.free_mapped_runs(seg, want - got, u64::MAX).is_empty() {
+                if self
+                    .free_mapped_runs(seg, want - got, u64::MAX, None)
+                    .is_empty()
+                {
                     continue;
                 }
             }
@@ -352,7 +408,7 @@ impl CachingPool {
             } else {
                 self.device_safe = self.tick;
             }
-            let runs = self.free_mapped_runs(seg, want - got, u64::MAX);
+            let runs = self.free_mapped_runs(seg, want - got, u64::MAX, None);
             got += self.unmap_runs(seg, runs);
         }
         got
@@ -364,38 +420,37 @@ impl CachingPool {
     /// reuses another stream's memory through an event dependency). Work queued on `current`
     /// from now on runs after what `owner` had queued by the checkpoint; nothing waits on the
     /// host. Returns the bytes unmapped.
-    fn move_across_streams(
-        &mut self,
-        seg: u32,
-        owner: Stream,
-        current: Stream,
-        want: u64,
-        waited_for: &mut Vec<Stream>,
-    ) -> u64 {
+    fn move_across_streams(&mut self, seg: u32, owner: Stream, current: Stream, want: u64) -> u64 {
         if self.capturing(current) {
             return 0; // a wait recorded now would be part of the graph
         }
-        let Some((ev, tick)) = self.newest_checkpoint(owner) else {
-            return 0;
+        // (no checkpoint outstanding: the owner's frees up to its last one are idle, and only
+        // lent blocks given back there may still be in use)
+        let tick = match self.newest_checkpoint(owner) {
+            Some((_, tick)) => tick,
+            None => self.safe_tick(owner),
         };
-        let runs = self.free_mapped_runs(seg, want, tick);
+        self.order_for_foreign(seg, current);
+        let runs = self.free_mapped_runs(seg, want, tick, Some(current));
         if runs.is_empty() {
             return 0;
         }
-        if !waited_for.contains(&owner) {
-            if let Err(e) = self.backend.wait_event(current, ev) {
-                tracing::warn!("gpumem: cannot order a stream after another: {e}");
-                return 0;
-            }
-            waited_for.push(owner);
-            self.stats.num_cross_stream_moves += 1;
-        }
+        // (one wait per other stream and checkpoint: `order_after` remembers it)
+        self.order_after(current, owner, tick);
         self.unmap_runs_after(seg, runs, current, true)
     }
 
     /// Runs of mapped pages lying wholly inside free blocks of `seg` and last freed at or
-    /// before `max_tick`, highest first, about `want` bytes.
-    pub(super) fn free_mapped_runs(&self, seg: u32, want: u64, max_tick: u64) -> Vec<(u64, u64)> {
+    /// before `max_tick`, highest first, about `want` bytes. Bytes of a lent block given back
+    /// count only once its stream is done with them, or when they move in the order of
+    /// `mover`, a stream that is that stream or was made to wait for it.
+    pub(super) fn free_mapped_runs(
+        &self,
+        seg: u32,
+        want: u64,
+        max_tick: u64,
+        mover: Option<Stream>,
+    ) -> Vec<(u64, u64)> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let s = &self.segments[seg as usize];
         let Some(pages) = &s.pages else {
@@ -406,7 +461,12 @@ impl CachingPool {
         while id != NIL {
             let b = &self.blocks[id as usize];
             if b.state == State::Free {
-                free.push((b.addr, b.size));
+                if self.foreign.is_empty() {
+                    free.push((b.addr, b.size));
+                } else {
+                    // (bytes another stream used last keep their pages until it is done)
+                    free.extend(self.idle_parts(id, mover));
+                }
             }
             id = b.next;
         }

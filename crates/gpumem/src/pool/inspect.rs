@@ -180,6 +180,23 @@ impl CachingPool {
         if have != free_keys {
             return Err("free sets disagree with free blocks".into());
         }
+        for (&id, &user) in &self.lent {
+            let b = &self.blocks[id as usize];
+            if b.state != State::Allocated || b.stream == user {
+                return Err(format!("block {:#x} listed as lent to {user:?}", b.addr));
+            }
+        }
+        for (&id, uses) in &self.foreign {
+            let b = &self.blocks[id as usize];
+            if b.state != State::Free
+                || uses.is_empty()
+                || uses
+                    .iter()
+                    .any(|u| u.hi <= b.addr || u.lo >= b.addr + b.size)
+            {
+                return Err(format!("block {:#x}: stale uses by other streams", b.addr));
+            }
+        }
         let counted = self.stats.allocation_count();
         if live as u64 != counted || self.live.len() > live {
             return Err(format!(

@@ -20,6 +20,9 @@
 //!   backed by physical memory only where blocks need them. Before the pool maps more than the
 //!   peak of allocated bytes (plus `expandable_slack`), it unmaps pages that lie wholly inside
 //!   free blocks and are known idle, so the physical memory follows the live bytes.
+//! - `lending.rs`: with several streams, a stream that would have to move pages takes a free,
+//!   mapped block of another stream's expandable segment instead, ordered after that stream's
+//!   work by an event wait on the GPU (as `cudaMallocAsync` shares one pool across streams).
 //! - `events.rs`: blocks other streams still use ([`CachingPool::record_stream`]) wait for
 //!   events before reuse; checkpoint events tell which freed pages are idle.
 //! - `inspect.rs`: segment listings, the out-of-memory report, the invariant checker.
@@ -35,6 +38,7 @@ mod events;
 mod expandable;
 mod free_index;
 mod inspect;
+mod lending;
 pub mod pinned;
 pub mod record;
 mod request;
@@ -114,6 +118,16 @@ struct Segment {
     last_used: u64,
     /// which pages are mapped, for an expandable segment
     pages: Option<Box<Pages>>,
+}
+
+/// A lent block's use, remembered by the free block it went back to: the stream it was lent
+/// to, the tick it was given back at, and its bytes `[lo, hi)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ForeignUse {
+    stream: Stream,
+    tick: u64,
+    lo: u64,
+    hi: u64,
 }
 
 /// (stream, size, address, block id), for the invariant check.
@@ -242,6 +256,13 @@ pub struct CachingPool {
     device_safe: u64,
     /// how often pages are being moved, which scales the slack
     churn: Churn,
+    /// blocks of another stream's expandable segment handed out, with the stream using them
+    lent: FxHashMap<u32, Stream>,
+    /// free blocks with parts last used by other streams than their own (lent blocks given
+    /// back, merged into them): whose work, up to which free tick, on which bytes
+    foreign: FxHashMap<u32, Vec<ForeignUse>>,
+    /// `(waiter, other, tick)`: `waiter` was ordered after `other`'s frees up to `tick`
+    cross_waited: Vec<(Stream, Stream, u64)>,
     /// trace recording, when on
     recorder: Option<Box<Recorder>>,
 }
@@ -307,6 +328,9 @@ impl CachingPool {
             checkpoints: Vec::new(),
             device_safe: 0,
             churn: Churn::default(),
+            lent: FxHashMap::default(),
+            foreign: FxHashMap::default(),
+            cross_waited: Vec::new(),
             recorder: None,
         }
     }

@@ -232,6 +232,11 @@ impl CachingPool {
     }
 
     pub(super) fn release(&mut self, id: u32) -> Result<()> {
+        if !self.lent.is_empty() {
+            if let Some(user) = self.lent.remove(&id) {
+                return self.release_lent(id, user);
+            }
+        }
         let b = &mut self.blocks[id as usize];
         let (kind, size, req) = (b.kind, b.size, b.requested);
         let deferred = b.uses.is_some();

@@ -119,6 +119,9 @@ pub struct Stats {
     /// another stream's free pages taken in the allocating stream's order, the allocating
     /// stream made to wait for an event of the other (counted once per wait)
     pub num_cross_stream_moves: u64,
+    /// free blocks of another stream's expandable segment handed out (mapped memory lent
+    /// instead of pages moved; the allocating stream waits for the other's event on the GPU)
+    pub num_cross_stream_blocks: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -220,6 +223,7 @@ impl Stats {
         self.num_unmap_syncs += o.num_unmap_syncs;
         self.num_ordered_unmaps += o.num_ordered_unmaps;
         self.num_cross_stream_moves += o.num_cross_stream_moves;
+        self.num_cross_stream_blocks += o.num_cross_stream_blocks;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -356,6 +360,7 @@ pub(crate) struct HotStats {
     pub(crate) num_unmap_syncs: u64,
     pub(crate) num_ordered_unmaps: u64,
     pub(crate) num_cross_stream_moves: u64,
+    pub(crate) num_cross_stream_blocks: u64,
 }
 
 impl HotStats {
@@ -517,6 +522,7 @@ impl HotStats {
             num_unmap_syncs: self.num_unmap_syncs,
             num_ordered_unmaps: self.num_ordered_unmaps,
             num_cross_stream_moves: self.num_cross_stream_moves,
+            num_cross_stream_blocks: self.num_cross_stream_blocks,
             ..Stats::default()
         }
     }

@@ -539,13 +539,15 @@ fn another_streams_busy_pages_move_in_the_allocating_streams_order() {
         events + 1,
         "with two streams, the free of a page or more records a fresh checkpoint on A"
     );
-    // B's 90 MiB takes a's pages: B waits for A's checkpoint (no host wait), then maps their
-    // memory at its own addresses
-    let _c = alloc(&mut p, B, 90 * MIB);
+    // B's 150 MiB (more than a's free block holds, so no block of A's is lent) takes a's
+    // pages: B waits for A's checkpoint (no host wait), then maps their memory at its own
+    // addresses
+    let _c = alloc(&mut p, B, 150 * MIB);
     let s = p.stats();
     assert_eq!(s.num_cross_stream_moves, 1, "{s:?}");
+    assert_eq!(s.num_cross_stream_blocks, 0, "{s:?}");
     assert_eq!(dev.counters().stream_waits, waits + 1);
-    assert_moved_without_waiting(&p, &dev, 88 * MIB, 210 * MIB + 4 * PAGE);
+    assert_moved_without_waiting(&p, &dev, 98 * MIB, 260 * MIB + 4 * PAGE);
     // with one stream only, a free records no more than one outstanding checkpoint
     let (mut q, dev) = vmm_pool(1 << 40);
     dev.set_auto_complete(false);
@@ -571,11 +573,11 @@ fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
     assert!(s.num_ordered_unmaps >= 1, "{s:?}");
     assert_moved_without_waiting(&p, &dev, 98 * MIB, 250 * MIB + 2 * PAGE);
     // another stream's busy pages move in A's order, A made to wait for B's checkpoint on
-    // the GPU (not on the host)
+    // the GPU (not on the host); 100 MiB do not fit in d's 60 MiB, so no block is lent
     let (d, e) = (alloc(&mut p, B, 60 * MIB), alloc(&mut p, B, 60 * MIB));
     free(&mut p, d);
     let (before, waits) = (p.stats().unmapped_bytes, dev.counters().stream_waits);
-    let _f = alloc(&mut p, A, 60 * MIB);
+    let _f = alloc(&mut p, A, 100 * MIB);
     assert!(p.stats().unmapped_bytes >= before + 58 * MIB);
     assert_eq!(dev.counters().stream_waits, waits + 1);
     assert_eq!(dev.counters().syncs, 0);
@@ -584,7 +586,7 @@ fn expandable_never_waits_for_a_busy_stream_on_the_allocation_path() {
     free(&mut p, e);
     p.empty_cache();
     p.check_invariants().unwrap();
-    assert!(p.stats().reserved_bytes.all.current <= 310 * MIB + 4 * PAGE);
+    assert!(p.stats().reserved_bytes.all.current <= 350 * MIB + 4 * PAGE);
 }
 
 #[test]
@@ -626,7 +628,8 @@ fn expandable_moves_another_streams_pages_through_its_free_checkpoint() {
     dev.set_auto_complete(false);
     let a = alloc(&mut p, A, 100 * MIB);
     free(&mut p, a); // stream A's pages are free; A's work may still run, A may be gone
-    let _b = alloc(&mut p, B, 100 * MIB);
+                     // (120 MiB: more than a's block, so it is not lent)
+    let _b = alloc(&mut p, B, 120 * MIB);
     let s = p.stats();
     assert!(
         s.unmapped_bytes >= 98 * MIB,
@@ -641,10 +644,138 @@ fn expandable_moves_another_streams_pages_through_its_free_checkpoint() {
     let c = alloc(&mut p, B, 50 * MIB);
     free(&mut p, c);
     dev.complete_events();
-    let _d = alloc(&mut p, A, 50 * MIB);
+    let _d = alloc(&mut p, A, 60 * MIB);
     assert_eq!(dev.counters().stream_waits, 1);
     assert!(p.stats().unmapped_bytes >= 146 * MIB);
     assert_eq!(p.stats().num_unmap_syncs, 0);
     assert_eq!(dev.counters().syncs, 0);
     p.check_invariants().unwrap();
+}
+
+const C: Stream = Stream(3);
+
+/// Two streams in turn: `A` allocated and freed 100 MiB (its kernels still run), a third
+/// stream is known to the pool. Returns the pool, the device and the freed block's address.
+fn lending_pool() -> (CachingPool, Arc<SimulatedDevice>, u64) {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    dev.set_auto_complete(false); // kernels still running: no event completes
+    let z = alloc(&mut p, B, 4 * MIB);
+    free(&mut p, z);
+    let a = alloc(&mut p, A, 100 * MIB);
+    free(&mut p, a);
+    (p, dev, a)
+}
+
+#[test]
+fn a_stream_takes_another_streams_free_block_instead_of_moving_pages() {
+    let (mut p, dev, a) = lending_pool();
+    let (maps, unmaps, waits) = (
+        dev.counters().maps,
+        dev.counters().unmaps,
+        dev.counters().stream_waits,
+    );
+    // B would have to move pages to place 90 MiB: it takes A's mapped free block instead,
+    // waiting for A's checkpoint on the GPU
+    let y = alloc(&mut p, B, 90 * MIB);
+    assert_eq!(y, a, "A's freed block is lent to B");
+    let c = dev.counters();
+    assert_eq!((c.maps, c.unmaps), (maps, unmaps), "no page moved");
+    assert_eq!(c.stream_waits, waits + 1, "B waits for A's work on the GPU");
+    assert_eq!(c.syncs, 0, "no host wait");
+    let s = p.stats();
+    assert_eq!(s.num_cross_stream_blocks, 1, "{s:?}");
+    assert!(s.reserved_bytes.all.peak <= 104 * MIB + 2 * PAGE, "{s:?}");
+    // given back: A's next use of it waits for B's checkpoint (recorded at the free)
+    let events = dev.counters().pending_events;
+    free(&mut p, y);
+    assert!(dev.counters().pending_events > events, "a checkpoint on B");
+    let w = alloc(&mut p, A, 100 * MIB);
+    assert_eq!(w, a);
+    assert_eq!(
+        dev.counters().stream_waits,
+        waits + 2,
+        "A waits for B's use"
+    );
+    // once B's work is done, nothing is waited for
+    free(&mut p, w);
+    dev.complete_events();
+    let w = alloc(&mut p, A, 100 * MIB);
+    assert_eq!(dev.counters().stream_waits, waits + 2);
+    assert_eq!(dev.counters().syncs, 0);
+    free(&mut p, w);
+}
+
+#[test]
+fn a_lent_block_given_back_keeps_its_pages_until_its_borrower_is_done() {
+    let (mut p, dev, a) = lending_pool();
+    let y = alloc(&mut p, B, 90 * MIB);
+    assert_eq!(y, a);
+    free(&mut p, y); // B's kernels may still use it
+    let waits = dev.counters().stream_waits;
+    // C needs 150 MiB, more than any free block holds: pages move to C, which first waits
+    // on the GPU for A (their owner) and for B (their last user), and never on the host
+    let _c = alloc(&mut p, C, 150 * MIB);
+    let s = p.stats();
+    assert!(s.unmapped_bytes >= 98 * MIB, "{s:?}");
+    assert_eq!(dev.counters().stream_waits, waits + 2, "{s:?}");
+    assert_eq!(dev.counters().syncs, 0);
+    assert_eq!(s.num_unmap_syncs, 0);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn a_lent_block_used_by_its_owners_stream_too_waits_for_both() {
+    let (mut p, dev, a) = lending_pool();
+    let y = alloc(&mut p, B, 90 * MIB);
+    assert_eq!(y, a);
+    p.record_stream(y, A).unwrap(); // the owner's stream reads it too
+    free(&mut p, y);
+    // pending on events of B and A: reused by neither until both complete
+    let w = alloc(&mut p, A, 90 * MIB);
+    assert_ne!(w, a);
+    p.check_invariants().unwrap();
+    dev.complete_events();
+    free(&mut p, w);
+    p.check_invariants().unwrap();
+    let again = alloc(&mut p, B, 90 * MIB);
+    free(&mut p, again);
+    p.empty_cache();
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn no_block_is_lent_while_a_graph_is_captured() {
+    let (mut p, dev, a) = lending_pool();
+    p.shared.captures.fetch_add(1, Ordering::Relaxed);
+    let y = alloc(&mut p, B, 90 * MIB);
+    assert_ne!(y, a);
+    assert_eq!(p.stats().num_cross_stream_blocks, 0);
+    p.shared.captures.fetch_sub(1, Ordering::Relaxed);
+    free(&mut p, y);
+    assert_eq!(dev.counters().syncs, 0);
+}
+
+#[test]
+fn a_stream_without_a_segment_of_its_own_borrows_and_everything_goes_back() {
+    // (found by the property test: a stream that only ever borrowed had its checkpoints
+    // polled by nobody, so the lent blocks it gave back were never known idle)
+    let (mut p, dev) = vmm_pool(1 << 40);
+    let a = alloc(&mut p, B, 1);
+    let b = alloc(&mut p, B, 2049);
+    let c = alloc(&mut p, A, 1);
+    // (A's first allocation makes it a segment: the pool knew one stream until then)
+    let d = alloc(&mut p, Stream::DEFAULT, 1);
+    assert_eq!(
+        p.stats().num_cross_stream_blocks,
+        1,
+        "the default stream borrows"
+    );
+    assert!(!p.streams.contains(&Stream::DEFAULT));
+    for x in [a, b, c, d] {
+        free(&mut p, x);
+    }
+    dev.complete_events();
+    p.empty_cache();
+    p.check_invariants().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
 }
