@@ -8,7 +8,8 @@ Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching 
 `expandable` is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `async` is
 backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies), and
 `gpumem_budget` is gpumem with expandable_move_budget:0.01 (the slack grows when page moves take
-more than 1% of the wall time; the default before it was measured to cost memory). The table
+more than 1% of the wall time; the default before it was measured to cost memory), and
+`gpumem_classic` is gpumem with classic segments (expandable_segments:False). The table
 gives the median step time after warm-up, peak reserved / peak allocated bytes (the
 allocator's own memory_stats), and whether the losses are identical to native's.
 
@@ -41,6 +42,8 @@ SETTINGS = {
     "gpumem": {},
     # page moves held to 1% of the wall time (the slack grows beyond it)
     "gpumem_budget": {"GPUMEM_CONF": "expandable_move_budget:0.01"},
+    # classic segments (PyTorch's native policy, in gpumem): no page moves at all
+    "gpumem_classic": {"GPUMEM_CONF": "expandable_segments:False"},
 }
 WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
 # workloads timed as a whole run (no steps)
