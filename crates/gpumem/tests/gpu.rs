@@ -62,6 +62,15 @@ fn fill(g: &Gpu, s: &Arc<CudaStream>, buf: &mut DeviceBuffer<u32>, value: u32) {
     unsafe { b.launch(cfg(n as usize)) }.unwrap();
 }
 
+/// Words of `buf` that are not `value ^ index` (the pattern `fill` writes).
+fn wrong_words(buf: &DeviceBuffer<u32>, value: u32) -> usize {
+    let v = buf.to_vec().unwrap();
+    v.iter()
+        .enumerate()
+        .filter(|&(i, &w)| w != value ^ i as u32)
+        .count()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn device_info_is_sane() {
@@ -422,13 +431,7 @@ fn pages_move_under_a_running_kernel(
         (&out, 0x3333_3333, "the kernel read"),
         (&y, 0x5555_5555, "the new block holds"),
     ] {
-        let bad = buf
-            .to_vec()
-            .unwrap()
-            .iter()
-            .enumerate()
-            .filter(|&(i, &v)| v != value ^ i as u32)
-            .count();
+        let bad = wrong_words(buf, value);
         assert_eq!(bad, 0, "{what} {bad} wrong words");
     }
     let end = vmm.calls();
@@ -482,15 +485,6 @@ fn another_streams_pages_move_after_its_running_kernel() {
         m.after.aliased - m.before.aliased,
         m.took
     );
-}
-
-/// Words of `buf` that are not `value ^ index` (the pattern `fill` writes).
-fn wrong_words(buf: &DeviceBuffer<u32>, value: u32) -> usize {
-    let v = buf.to_vec().unwrap();
-    v.iter()
-        .enumerate()
-        .filter(|&(i, &w)| w != value ^ i as u32)
-        .count()
 }
 
 /// Two streams taking turns. A block freed on stream A while a kernel there still reads it is

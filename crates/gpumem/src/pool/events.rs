@@ -84,11 +84,15 @@ impl CachingPool {
     pub(super) fn can_order_after(&mut self, waiter: Stream, other: Stream, tick: u64) -> bool {
         waiter == other
             || self.safe_tick(other) >= tick
-            || self
-                .cross_waited
-                .iter()
-                .any(|&(w, o, t)| w == waiter && o == other && t >= tick)
+            || self.waited(waiter, other, tick)
             || self.covering_checkpoint(other, tick).is_some()
+    }
+
+    /// Whether `waiter` was already made to wait for `other`'s frees up to `tick`.
+    pub(super) fn waited(&self, waiter: Stream, other: Stream, tick: u64) -> bool {
+        self.cross_waited
+            .iter()
+            .any(|&(w, o, t)| w == waiter && o == other && t >= tick)
     }
 
     /// Order the work queued on `waiter` from now on after `other`'s work up to its free tick
@@ -98,14 +102,7 @@ impl CachingPool {
     /// instead), or, with no such checkpoint, the host waits for `other` (the device, if
     /// `other` is gone).
     pub(super) fn order_after(&mut self, waiter: Stream, other: Stream, tick: u64) {
-        if waiter == other || self.safe_tick(other) >= tick {
-            return;
-        }
-        if self
-            .cross_waited
-            .iter()
-            .any(|&(w, o, t)| w == waiter && o == other && t >= tick)
-        {
+        if waiter == other || self.safe_tick(other) >= tick || self.waited(waiter, other, tick) {
             return;
         }
         if let Some((ev, covers)) = self.covering_checkpoint(other, tick) {
@@ -250,6 +247,20 @@ impl CachingPool {
             self.pending.push((id, events));
         }
         self.deferred = keep;
+    }
+
+    /// Freed block `id`, whose `uses` list other streams that used it, waits for their events
+    /// (recorded now, or once a graph capture on one of them has ended) before it is free.
+    pub(super) fn wait_for_uses(&mut self, id: u32) {
+        let b = &mut self.blocks[id as usize];
+        let uses = b.uses.take().map(|u| *u).unwrap_or_default();
+        b.state = State::Pending;
+        if uses.iter().any(|&s| self.capturing(s)) {
+            self.deferred.push((id, uses));
+        } else {
+            let events = self.record_uses(uses);
+            self.pending.push((id, events));
+        }
     }
 
     /// An event on each stream of `uses` (a stream that cannot get one is waited for now).

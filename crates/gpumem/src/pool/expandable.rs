@@ -107,38 +107,32 @@ impl CachingPool {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let need = match found {
             None => size.div_ceil(page) * page,
-            Some(id) => {
-                let b = &self.blocks[id as usize];
-                let s = &self.segments[b.segment as usize];
-                let (p0, p1) = (
-                    (b.addr - s.addr) / page,
-                    (b.addr + size - s.addr).div_ceil(page),
-                );
-                match &s.pages {
-                    Some(pages) => {
-                        pages.runs(p0, p1, false).iter().map(|r| r.1).sum::<u64>() * page
-                    }
-                    None => 0,
+            Some(id) => match self.pages_under(id, size) {
+                Some((pages, p0, p1)) => {
+                    pages.runs(p0, p1, false).iter().map(|r| r.1).sum::<u64>() * page
                 }
-            }
+                None => 0,
+            },
         };
         let peak = self.peak_allocated.max(self.stats.allocated() + size);
         need > 0 && self.stats.reserved() + need > self.allowance(peak)
     }
 
-    /// Whether the first `size` bytes of block `id` are all mapped.
-    pub(super) fn mapped_under(&self, id: u32, size: u64) -> bool {
+    /// The pages of block `id`'s expandable segment and the range `[p0, p1)` of them that its
+    /// first `size` bytes touch (`None` for a classic segment).
+    pub(super) fn pages_under(&self, id: u32, size: u64) -> Option<(&Pages, u64, u64)> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let b = &self.blocks[id as usize];
         let s = &self.segments[b.segment as usize];
-        let (p0, p1) = (
-            (b.addr - s.addr) / page,
-            (b.addr + size - s.addr).div_ceil(page),
-        );
-        match &s.pages {
-            Some(pages) => pages.next_with(p0, p1, false) >= p1,
-            None => true,
-        }
+        let pages = s.pages.as_deref()?;
+        let (lo, hi) = (b.addr - s.addr, b.addr + size - s.addr);
+        Some((pages, lo / page, hi.div_ceil(page)))
+    }
+
+    /// Whether the first `size` bytes of block `id` are all mapped.
+    pub(super) fn mapped_under(&self, id: u32, size: u64) -> bool {
+        self.pages_under(id, size)
+            .is_none_or(|(pages, p0, p1)| pages.next_with(p0, p1, false) >= p1)
     }
 
     /// The smallest free block among the few smallest that fit `size` whose first `size`
@@ -199,16 +193,15 @@ impl CachingPool {
     /// unmapped first so that the physical memory does not grow.
     pub(super) fn ensure_mapped(&mut self, id: u32, stream: Stream) -> Result<u64> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let (addr, size, seg) = {
+        let (size, seg) = {
             let b = &self.blocks[id as usize];
-            (b.addr, b.size, b.segment)
+            (b.size, b.segment)
         };
         let base = self.segments[seg as usize].addr;
-        let (p0, p1) = ((addr - base) / page, (addr + size - base).div_ceil(page));
-        let runs = match &self.segments[seg as usize].pages {
+        let runs = match self.pages_under(id, size) {
             // the common case, all mapped, costs one bitmap scan and no allocation
-            Some(pages) if pages.next_with(p0, p1, false) >= p1 => return Ok(0),
-            Some(pages) => pages.runs(p0, p1, false),
+            Some((pages, p0, p1)) if pages.next_with(p0, p1, false) >= p1 => return Ok(0),
+            Some((pages, p0, p1)) => pages.runs(p0, p1, false),
             None => return Ok(0),
         };
         let need = runs.iter().map(|r| r.1).sum::<u64>() * page;

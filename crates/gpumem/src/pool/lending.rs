@@ -77,17 +77,9 @@ impl CachingPool {
 
     /// The latest free tick of the owner's pages under the first `size` bytes of block `id`.
     fn owner_tick(&self, id: u32, size: u64) -> u64 {
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let b = &self.blocks[id as usize];
-        let s = &self.segments[b.segment as usize];
-        let Some(pages) = &s.pages else {
-            return 0;
-        };
-        let (p0, p1) = (
-            (b.addr - s.addr) / page,
-            (b.addr + size - s.addr).div_ceil(page),
-        );
-        (p0..p1).map(|p| pages.freed_at(p)).max().unwrap_or(0)
+        self.pages_under(id, size).map_or(0, |(pages, p0, p1)| {
+            (p0..p1).map(|p| pages.freed_at(p)).max().unwrap_or(0)
+        })
     }
 
     /// Block `id`, taken by `stream` (from its own free set, or `borrowed` from another
@@ -123,25 +115,15 @@ impl CachingPool {
         if b.uses.is_some() || capturing {
             // other streams recorded as users, or a graph capture on `user` (no checkpoint
             // can be recorded there now): wait for events like any such block
-            let b = &mut self.blocks[id as usize];
-            let uses = b.uses.get_or_insert_with(Default::default);
+            let uses = self.blocks[id as usize]
+                .uses
+                .get_or_insert_with(Default::default);
             if !uses.contains(&user) {
                 uses.push(user);
             }
             self.stats.on_free(kind, size, req, true);
             self.record(Action::FreeRequested, addr, req, user);
-            let uses = self.blocks[id as usize]
-                .uses
-                .take()
-                .map(|u| *u)
-                .unwrap_or_default();
-            self.blocks[id as usize].state = State::Pending;
-            if uses.iter().any(|&s| self.capturing(s)) {
-                self.deferred.push((id, uses));
-            } else {
-                let events = self.record_uses(uses);
-                self.pending.push((id, events));
-            }
+            self.wait_for_uses(id);
             return Ok(());
         }
         self.stats.on_free(kind, size, req, false);
@@ -222,11 +204,7 @@ impl CachingPool {
         let Some(m) = mover else {
             return false;
         };
-        m == u.stream
-            || self
-                .cross_waited
-                .iter()
-                .any(|&(w, o, t)| w == m && o == u.stream && t >= u.tick)
+        m == u.stream || self.waited(m, u.stream, u.tick)
     }
 
     /// Before `mover` moves free pages of `seg` in its order: order it after the lent uses

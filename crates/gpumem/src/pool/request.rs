@@ -248,16 +248,8 @@ impl CachingPool {
                 self.record(Action::FreeCompleted, addr, req, stream);
             }
         }
-        let b = &mut self.blocks[id as usize];
         if deferred {
-            let uses = b.uses.take().map(|u| *u).unwrap_or_default();
-            b.state = State::Pending;
-            if uses.iter().any(|&s| self.capturing(s)) {
-                self.deferred.push((id, uses));
-                return Ok(());
-            }
-            let events = self.record_uses(uses);
-            self.pending.push((id, events));
+            self.wait_for_uses(id);
             return Ok(());
         }
         if !self.use_quick() {
