@@ -40,6 +40,7 @@ mod free_index;
 mod inspect;
 mod lending;
 pub mod pinned;
+mod recall;
 pub mod record;
 mod request;
 pub mod size;
@@ -265,6 +266,12 @@ pub struct CachingPool {
     cross_waited: Vec<(Stream, Stream, u64)>,
     /// trace recording, when on
     recorder: Option<Box<Recorder>>,
+    /// expandable segments: the block starting at each address
+    starts: BTreeMap<DevPtr, u32>,
+    /// where allocations went last time, by context (expandable segments)
+    recall: recall::Recall,
+    /// the allocation being placed: where the same one went last time
+    hint: Option<DevPtr>,
 }
 
 impl std::fmt::Debug for CachingPool {
@@ -332,6 +339,9 @@ impl CachingPool {
             foreign: FxHashMap::default(),
             cross_waited: Vec::new(),
             recorder: None,
+            starts: BTreeMap::new(),
+            recall: Default::default(),
+            hint: None,
         }
     }
 

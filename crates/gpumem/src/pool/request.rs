@@ -40,7 +40,17 @@ impl CachingPool {
         if !self.pending.is_empty() {
             self.process_events();
         }
-        let id = match self.take_quick(stream, size) {
+        // expandable segments: where the same allocation went last time (see `recall.rs`)
+        let ctx = self.policy.page.filter(|_| self.settled()).map(|_| {
+            let c = self.recall.context(stream, size, self.stats.requested());
+            self.hint = self.recall.hint(c);
+            c
+        });
+        let quick = match self.take_recalled(stream, size) {
+            Some(id) => Some(id),
+            None => self.take_quick(stream, size),
+        };
+        let id = match quick {
             Some(id) => {
                 self.stats.cache_hits += 1;
                 id
@@ -56,7 +66,12 @@ impl CachingPool {
                 }
             },
         };
-        Ok(self.hand_out(id, req, size, stream, handout))
+        let a = self.hand_out(id, req, size, stream, handout);
+        if let Some(c) = ctx {
+            self.hint = None;
+            self.recall.remember(c, a.addr);
+        }
+        Ok(a)
     }
 
     /// Mark taken block `id` handed out for a request of `req` bytes (rounded to `rounded`).
@@ -122,6 +137,9 @@ impl CachingPool {
     }
 
     pub(super) fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
+        if let Some(id) = self.take_hinted(stream, size)? {
+            return Ok(id);
+        }
         let kind = Self::kind_of(size);
         let id = match self.best_fit(stream, size, kind) {
             // expandable: a block that would need pages mapped while freed blocks wait in the
@@ -144,7 +162,7 @@ impl CachingPool {
             None => None,
         };
         if self.policy.page.is_some() {
-            return self.place_expandable(id, stream, size, kind);
+            return self.place_expandable(id, stream, size, kind, false);
         }
         let id = match id.or_else(|| self.steal(stream, size, kind)) {
             Some(id) => {
@@ -306,6 +324,7 @@ impl CachingPool {
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
         self.churn = Churn::default();
+        self.recall.clear();
         self.shared.churn_level.store(0, Ordering::Relaxed);
         self.flush_quick();
         self.process_events();

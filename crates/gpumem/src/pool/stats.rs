@@ -122,6 +122,12 @@ pub struct Stats {
     /// free blocks of another stream's expandable segment handed out (mapped memory lent
     /// instead of pages moved; the allocating stream waits for the other's event on the GPU)
     pub num_cross_stream_blocks: u64,
+    /// allocations placed where the same allocation was placed last time (expandable
+    /// segments: same size and stream, same bytes allocated, same sizes just before it)
+    pub num_recalled: u64,
+    /// free pages unmapped first because their memory lingers where the next map goes (a
+    /// page moved home costs no driver call)
+    pub num_homes: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -224,6 +230,8 @@ impl Stats {
         self.num_ordered_unmaps += o.num_ordered_unmaps;
         self.num_cross_stream_moves += o.num_cross_stream_moves;
         self.num_cross_stream_blocks += o.num_cross_stream_blocks;
+        self.num_recalled += o.num_recalled;
+        self.num_homes += o.num_homes;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -361,6 +369,8 @@ pub(crate) struct HotStats {
     pub(crate) num_ordered_unmaps: u64,
     pub(crate) num_cross_stream_moves: u64,
     pub(crate) num_cross_stream_blocks: u64,
+    pub(crate) num_recalled: u64,
+    pub(crate) num_homes: u64,
 }
 
 impl HotStats {
@@ -424,6 +434,12 @@ impl HotStats {
 
     pub(crate) fn allocated(&self) -> u64 {
         self.allocated_bytes.current()
+    }
+
+    /// Bytes requested by the blocks handed out now (unlike `allocated`, it does not depend
+    /// on how blocks were split).
+    pub(crate) fn requested(&self) -> u64 {
+        self.requested_bytes.current()
     }
 
     pub(crate) fn reset_peak(&mut self) {
@@ -523,6 +539,8 @@ impl HotStats {
             num_ordered_unmaps: self.num_ordered_unmaps,
             num_cross_stream_moves: self.num_cross_stream_moves,
             num_cross_stream_blocks: self.num_cross_stream_blocks,
+            num_recalled: self.num_recalled,
+            num_homes: self.num_homes,
             ..Stats::default()
         }
     }

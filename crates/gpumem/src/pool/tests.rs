@@ -779,3 +779,33 @@ fn a_stream_without_a_segment_of_its_own_borrows_and_everything_goes_back() {
     p.check_invariants().unwrap();
     assert_eq!(p.stats().reserved_bytes.all.current, 0);
 }
+
+/// A step that needs more address space than its peak (a hole that its largest block does
+/// not fit): pages move every step, and once the pool sees the steps repeat (a window of
+/// allocations whose contexts it has seen), every move maps memory that already lingers
+/// where it goes (moved home first), with no driver call. (Without moving pages home, the
+/// same steps cost 183 calls each.)
+#[test]
+fn a_repeating_step_moves_its_pages_home_with_no_driver_call() {
+    let (mut p, dev) = vmm_pool(1 << 40);
+    let vmm = |d: &SimulatedDevice| {
+        let c = d.calls();
+        c.creates + c.maps + c.set_access + c.unmaps + c.releases + c.records
+    };
+    let mut per_step = Vec::new();
+    for _ in 0..100 {
+        let before = vmm(&dev);
+        let x = alloc(&mut p, A, 100 * MIB);
+        let y = alloc(&mut p, A, 60 * MIB);
+        free(&mut p, x);
+        let z = alloc(&mut p, A, 150 * MIB);
+        free(&mut p, y);
+        free(&mut p, z);
+        per_step.push(vmm(&dev) - before);
+    }
+    let s = p.stats();
+    assert!(s.unmapped_bytes > 0, "pages moved");
+    assert!(s.num_homes > 0, "pages moved home: {:?}", per_step);
+    assert!(per_step[0] > 0);
+    assert_eq!(per_step[98..], [0, 0], "calls per step {per_step:?}");
+}

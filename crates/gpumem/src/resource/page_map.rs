@@ -91,6 +91,8 @@ pub struct PageMap {
     page: u64,
     /// pages in use: address → handle
     live: FxHashMap<DevPtr, Hid>,
+    /// the same, handle → address
+    live_at: FxHashMap<Hid, DevPtr>,
     /// pages not in use whose handle is still mapped there
     linger: FxHashMap<DevPtr, Linger>,
     /// handle → its lingering addresses
@@ -128,6 +130,7 @@ impl PageMap {
         Self {
             page,
             live: FxHashMap::default(),
+            live_at: FxHashMap::default(),
             linger: FxHashMap::default(),
             at: FxHashMap::default(),
             avail: FxHashMap::default(),
@@ -207,6 +210,12 @@ impl PageMap {
         if let (Some(ev), true) = (ev, n > 0) {
             *self.events.entry(ev).or_default() += n;
         }
+    }
+
+    /// Whether pages or handles still refer to `ev` (an event no longer referred to may have
+    /// been recycled).
+    pub fn holds(&self, ev: Ev) -> bool {
+        self.events.contains_key(&ev)
     }
 
     fn drop_ref(&mut self, ev: Option<Ev>) {
@@ -300,6 +309,31 @@ impl PageMap {
         None
     }
 
+    /// The live pages whose handle lingers at the unmapped pages of `[addr, addr + bytes)`
+    /// (sorted): moved away first (their handles kept for the mapping stream, or spare), they
+    /// let a map of the range reuse its lingering memory with no driver call.
+    pub fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
+        let mut out: Vec<DevPtr> = self
+            .pages(addr, bytes)
+            .filter_map(|p| self.linger.get(&p))
+            .filter_map(|l| self.live_at.get(&l.handle).copied())
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    fn set_live(&mut self, p: DevPtr, h: Hid) {
+        self.live.insert(p, h);
+        self.live_at.insert(h, p);
+    }
+
+    fn unset_live(&mut self, p: DevPtr) -> Option<Hid> {
+        let h = self.live.remove(&p)?;
+        self.live_at.remove(&h);
+        Some(h)
+    }
+
     /// Plan mapping `[addr, addr + bytes)` (whole pages, none live) for work on `stream`:
     /// lingering pages whose handle this stream may take are live again at once; the rest get
     /// handles kept for the stream, spares, or new ones, after unmapping whatever lingers there
@@ -331,7 +365,7 @@ impl PageMap {
                     if let Avail::Kept { event, .. } = a {
                         plan.from_kept.push((l.handle, event));
                     }
-                    self.live.insert(p, l.handle);
+                    self.set_live(p, l.handle);
                     plan.reused.push(p);
                 }
                 None => rest.push(p),
@@ -376,7 +410,7 @@ impl PageMap {
                 Some(h) => h,
                 None => continue,
             };
-            self.live.insert(p, h);
+            self.set_live(p, h);
         }
         for (_, ev) in plan.from_kept {
             self.drop_ref(ev);
@@ -398,7 +432,7 @@ impl PageMap {
             _ => m.put_spare(h),
         };
         for &p in &plan.reused {
-            if let Some(h) = self.live.remove(&p) {
+            if let Some(h) = self.unset_live(p) {
                 self.linger.insert(
                     p,
                     Linger {
@@ -444,7 +478,7 @@ impl PageMap {
         let mut n = 0u64;
         let pages: Vec<DevPtr> = self.pages(addr, bytes).collect();
         for p in pages {
-            let Some(h) = self.live.remove(&p) else {
+            let Some(h) = self.unset_live(p) else {
                 continue;
             };
             n += 1;
@@ -627,6 +661,7 @@ impl PageMap {
     /// Everything, for shutting down: live pages with handles, lingering pages, every handle.
     pub fn take_all(&mut self) -> (Vec<(DevPtr, Hid)>, Vec<DevPtr>, Vec<Hid>) {
         let live: Vec<(DevPtr, Hid)> = self.live.drain().collect();
+        self.live_at.clear();
         let linger: Vec<DevPtr> = self.linger.drain().map(|(p, _)| p).collect();
         let mut handles: Vec<Hid> = live.iter().map(|&(_, h)| h).collect();
         handles.extend(self.avail.drain().map(|(h, _)| h));
@@ -686,6 +721,30 @@ mod tests {
         m.evicted(&plan);
         assert!(m.commit(plan, &created).is_empty());
         out
+    }
+
+    #[test]
+    fn homes_are_the_live_pages_whose_memory_lingers_in_a_range() {
+        let mut m = PageMap::new(P);
+        let mut next = 0;
+        map(&mut m, A, 4, 7, &mut next);
+        assert!(
+            m.homes(A, 4 * P).is_empty(),
+            "live pages have no home elsewhere"
+        );
+        // A's pages move to B: A's addresses linger with the handles now live at B
+        m.detach(A, 4 * P, Some(7), None);
+        map(&mut m, B, 4, 7, &mut next);
+        m.finish_move(7);
+        let mut homes = m.homes(A, 4 * P);
+        homes.sort_unstable();
+        assert_eq!(homes, (0..4).map(|i| B + i * P).collect::<Vec<_>>());
+        assert_eq!(m.homes(A + 2 * P, P).len(), 1);
+        // moved home (B unmapped first): A reuses them with no call; now B's memory is at A
+        m.detach(B, 4 * P, Some(7), None);
+        assert_eq!(map(&mut m, A, 4, 7, &mut next), [4, 0, 0, 0]);
+        assert!(m.homes(A, 4 * P).is_empty(), "A is live");
+        assert_eq!(m.homes(B, 4 * P).len(), 4);
     }
 
     #[test]

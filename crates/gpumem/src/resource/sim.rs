@@ -59,6 +59,8 @@ struct SimState {
     /// the earliest tick at which one of `moves` is due
     moves_due: u64,
     next_move_event: usize,
+    /// the event of the move in progress, shared by its unmaps (as the CUDA engine does)
+    move_event: Option<(u64, usize)>,
 }
 
 /// Counters of what the simulated device was asked to do.
@@ -318,7 +320,12 @@ impl VirtualMemory for SimulatedDevice {
         let mut s = self.state.lock();
         check_pages(&s, addr, bytes, true)?;
         // a move in stream order records an event; it completes when the lagging GPU passes
+        let shared = match s.move_event {
+            Some((st, ev)) if busy && st == stream.0 && s.moves.contains_key(&ev) => Some(ev),
+            _ => None,
+        };
         let event = match (s.lag, busy) {
+            (Some(_), true) if shared.is_some() => shared,
             (Some(lag), true) => {
                 s.next_move_event += 1;
                 let ev = s.next_move_event;
@@ -335,15 +342,23 @@ impl VirtualMemory for SimulatedDevice {
             }
             _ => None,
         };
-        let (_, excess) = s.pages.detach(addr, bytes, Some(stream.0), event);
+        let (n, excess) = s.pages.detach(addr, bytes, Some(stream.0), event);
+        if let (Some(ev), true) = (event, n > 0) {
+            s.move_event = Some((stream.0, ev));
+        }
         s.release(excess);
         s.pages.take_idle_events();
         s.unmaps += 1;
         Ok(())
     }
 
+    fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
+        self.state.lock().pages.homes(addr, bytes)
+    }
+
     fn finish_move(&self, stream: Stream) {
         let mut s = self.state.lock();
+        s.move_event = None;
         let excess = s.pages.finish_move(stream.0);
         s.release(excess);
     }

@@ -182,6 +182,12 @@ impl VirtualMemory for CudaDevice {
         self.pages()?.unmap(addr, bytes)
     }
 
+    fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
+        self.pages
+            .as_ref()
+            .map_or_else(Vec::new, |p| p.homes(addr, bytes))
+    }
+
     fn finish_move(&self, stream: Stream) {
         if let Some(p) = &self.pages {
             p.finish_move(stream);

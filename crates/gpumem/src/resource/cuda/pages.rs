@@ -50,6 +50,9 @@ struct State {
     working: bool,
     /// idle events (as addresses), for moves in stream order
     events: Vec<usize>,
+    /// the event of the move in progress (stream, event): a move's later unmaps in stream
+    /// order share it (nothing is queued on the stream in between)
+    move_event: Option<(u64, usize)>,
     /// the worker should stop
     stop: bool,
     /// the worker thread could not be started: jobs run inline
@@ -377,15 +380,22 @@ impl Pages {
         busy: bool,
     ) -> Result<()> {
         let mut st = self.state.lock();
-        let ev = if busy {
-            Some(self.record_event(&mut st, stream.0)?)
-        } else {
-            None
+        let shared = match st.move_event {
+            Some((s, ev)) if busy && s == stream.0 && st.map.holds(ev) => Some(ev),
+            _ => None,
+        };
+        let ev = match (busy, shared) {
+            (true, None) => Some(self.record_event(&mut st, stream.0)?),
+            _ => shared,
         };
         let (n, excess) = st.map.detach(addr, bytes, Some(stream.0), ev);
-        self.recycle_events(&mut st);
-        // idle pages' handles are spare once the move is finished (its maps take them first)
         if let (Some(event), true) = (ev, n > 0) {
+            st.move_event = Some((stream.0, event));
+        }
+        self.recycle_events(&mut st);
+        // idle pages' handles are spare once the move is finished (its maps take them first);
+        // the worker watches each event once
+        if let (Some(event), true, None) = (ev, n > 0, shared) {
             self.enqueue(
                 st,
                 Job::Settle {
@@ -400,9 +410,18 @@ impl Pages {
         Ok(())
     }
 
+    /// See [`PageMap::homes`].
+    pub(super) fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
+        self.state.lock().map.homes(addr, bytes)
+    }
+
     /// A move for `stream` is done: what it unmapped and did not map again is spare.
     pub(super) fn finish_move(&self, stream: Stream) {
-        let excess = self.state.lock().map.finish_move(stream.0);
+        let excess = {
+            let mut st = self.state.lock();
+            st.move_event = None;
+            st.map.finish_move(stream.0)
+        };
         self.release_later(excess);
     }
 
