@@ -119,7 +119,7 @@ impl CachingPool {
         let addr = self.hint.take()?;
         let (_, &id) = self.starts.range(..=addr).next_back()?;
         let b = &self.blocks[id as usize];
-        let front = addr - b.addr;
+        let front = addr.checked_sub(b.addr)?;
         if b.state != State::Free
             || self.segments[b.segment as usize].pages.is_none()
             || b.stream != stream
