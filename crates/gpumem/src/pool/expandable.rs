@@ -125,12 +125,17 @@ impl CachingPool {
     /// The pages of block `id`'s expandable segment and the range `[p0, p1)` of them that its
     /// first `size` bytes touch (`None` for a classic segment).
     pub(super) fn pages_under(&self, id: u32, size: u64) -> Option<(&Pages, u64, u64)> {
+        self.pages_within(id, 0, size)
+    }
+
+    /// [`CachingPool::pages_under`] for the bytes `[from, from + size)` of block `id`.
+    pub(super) fn pages_within(&self, id: u32, from: u64, size: u64) -> Option<(&Pages, u64, u64)> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let b = &self.blocks[id as usize];
         let s = &self.segments[b.segment as usize];
         let pages = s.pages.as_deref()?;
-        let (lo, hi) = (b.addr - s.addr, b.addr + size - s.addr);
-        Some((pages, lo / page, hi.div_ceil(page)))
+        let lo = b.addr + from - s.addr;
+        Some((pages, lo / page, (lo + size).div_ceil(page)))
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.
@@ -140,15 +145,8 @@ impl CachingPool {
 
     /// Whether bytes `[from, from + size)` of block `id` are all mapped.
     pub(super) fn mapped_within(&self, id: u32, from: u64, size: u64) -> bool {
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let b = &self.blocks[id as usize];
-        let s = &self.segments[b.segment as usize];
-        let Some(pages) = s.pages.as_deref() else {
-            return true;
-        };
-        let lo = b.addr + from - s.addr;
-        let (p0, p1) = (lo / page, (lo + size).div_ceil(page));
-        pages.next_with(p0, p1, false) >= p1
+        self.pages_within(id, from, size)
+            .is_none_or(|(pages, p0, p1)| pages.next_with(p0, p1, false) >= p1)
     }
 
     /// The smallest free block among the few smallest that fit `size` whose first `size`

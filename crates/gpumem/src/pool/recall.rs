@@ -95,9 +95,7 @@ impl CachingPool {
         })?;
         self.hint = None;
         self.stats.num_recalled += 1;
-        let (_, _, id) = self.quick.swap_remove(pos);
-        self.unmark_inactive(id);
-        Some(id)
+        Some(self.take_quick_at(pos))
     }
 
     /// The hinted address, if a free block holds `[addr, addr + size)`: placed there (pages

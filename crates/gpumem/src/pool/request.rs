@@ -41,15 +41,16 @@ impl CachingPool {
             self.process_events();
         }
         // expandable segments: where the same allocation went last time (see `recall.rs`)
+        // (no hint left from an allocation that failed: each allocation sets its own)
+        self.hint = None;
         let ctx = self.policy.page.filter(|_| self.settled()).map(|_| {
             let c = self.recall.context(stream, size, self.stats.requested());
             self.hint = self.recall.hint(c);
             c
         });
-        let quick = match self.take_recalled(stream, size) {
-            Some(id) => Some(id),
-            None => self.take_quick(stream, size),
-        };
+        let quick = self
+            .take_recalled(stream, size)
+            .or_else(|| self.take_quick(stream, size));
         let id = match quick {
             Some(id) => {
                 self.stats.cache_hits += 1;
@@ -123,9 +124,15 @@ impl CachingPool {
             return None;
         };
         self.quick_score = (self.quick_score + 8).min(64);
+        Some(self.take_quick_at(pos))
+    }
+
+    /// Take entry `pos` out of the quick cache; returns its block.
+    #[inline]
+    pub(super) fn take_quick_at(&mut self, pos: usize) -> u32 {
         let (_, _, id) = self.quick.swap_remove(pos);
         self.unmark_inactive(id);
-        Some(id)
+        id
     }
 
     pub(super) fn kind_of(size: u64) -> PoolKind {
