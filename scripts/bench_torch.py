@@ -331,6 +331,15 @@ def worker(workload, setting, steps):
             import gpumem_torch
 
             calls_at_warm = gpumem_torch.memory_stats()
+        if os.environ.get("BENCH_STEP_STATS") and setting.startswith("gpumem"):
+            # one line per step: what the pool did so far (for following a run's policy)
+            import gpumem_torch
+
+            s = gpumem_torch.memory_stats()
+            print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
+                "expandable_slack_level", "vmm_calls_foreground", "vmm_calls_background",
+                "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_recalled",
+                "num_homes", "num_page_moves")), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
         import gpumem_torch

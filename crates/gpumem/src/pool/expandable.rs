@@ -229,6 +229,7 @@ impl CachingPool {
         let started = moving.then(Instant::now);
         if moving {
             self.churn.moves += 1;
+            self.stats.num_page_moves += 1;
             let want = reserved + need - allowance;
             // a recalled placement (a job that repeats) moves its pages home first
             let got = if recalled {

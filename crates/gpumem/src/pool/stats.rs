@@ -128,6 +128,9 @@ pub struct Stats {
     /// free pages unmapped first because their memory lingers where the next map goes (a
     /// page moved home costs no driver call)
     pub num_homes: u64,
+    /// allocations that moved pages (mapped beyond the allowance, so free pages elsewhere were
+    /// unmapped first): what the churn level counts
+    pub num_page_moves: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -232,6 +235,7 @@ impl Stats {
         self.num_cross_stream_blocks += o.num_cross_stream_blocks;
         self.num_recalled += o.num_recalled;
         self.num_homes += o.num_homes;
+        self.num_page_moves += o.num_page_moves;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -371,6 +375,7 @@ pub(crate) struct HotStats {
     pub(crate) num_cross_stream_blocks: u64,
     pub(crate) num_recalled: u64,
     pub(crate) num_homes: u64,
+    pub(crate) num_page_moves: u64,
 }
 
 impl HotStats {
@@ -541,6 +546,7 @@ impl HotStats {
             num_cross_stream_blocks: self.num_cross_stream_blocks,
             num_recalled: self.num_recalled,
             num_homes: self.num_homes,
+            num_page_moves: self.num_page_moves,
             ..Stats::default()
         }
     }

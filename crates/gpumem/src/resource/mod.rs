@@ -245,6 +245,8 @@ pub struct VmmCalls {
     pub set_access: u64,
     /// pages unmapped (cuMemUnmap)
     pub unmaps: u64,
+    /// of those, pages unmapped on the resource's own thread
+    pub unmaps_background: u64,
     /// handles released (cuMemRelease)
     pub releases: u64,
     /// times a map waited for the background thread to finish unmapping its pages, or for a

@@ -13,6 +13,15 @@
 //! or when its handle is released (beyond the spare cap, or when the cache is emptied), or when
 //! its address range is given back.
 //!
+//! Lingering pays where memory comes back to its address; where it does not (sizes that vary
+//! from step to step), each map at a lingering address unmaps it first on the allocating
+//! thread (~20 µs a page). So an address whose maps found another handle there
+//! [`CHURNY`] times in a row is "churny": once the handle lingering there goes live elsewhere,
+//! the stale mapping is handed to the engine to unmap off the allocating thread
+//! ([`PageMap::take_stale`]). The handle is remembered (a ghost): if a later map there finds
+//! it free, the guess was wrong, the address takes it back and is no longer churny; and a
+//! recalled placement still moves it home ([`PageMap::homes`]).
+//!
 //! A handle may be mapped at several addresses at once (the driver allows it); only one of
 //! them is live (a page of the pool), the others linger and nothing touches them.
 //!
@@ -34,6 +43,11 @@ pub type Ev = usize;
 pub const MIN_SPARE_PAGES: usize = 8;
 /// ...or this fraction of the live pages (1/200 = 0.5%), whichever is more.
 pub const SPARE_DIVISOR: usize = 200;
+
+/// Maps in a row that found another handle lingering at an address before its own lingering
+/// mapping is unmapped in the background once its handle is live elsewhere (one such map may
+/// be a job's first steps, which settle).
+const CHURNY: u32 = 2;
 
 /// Where a handle that is not live is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,6 +129,17 @@ pub struct PageMap {
     idle_events: Vec<Ev>,
     /// pages being unmapped outside the lock (a map there must wait)
     unmapping: FxHashMap<DevPtr, ()>,
+    /// addresses whose last map found another handle lingering there and unmapped it: their
+    /// memory did not come back to them, so once it is live elsewhere its mapping there is
+    /// stale and goes off the allocating thread (see [`PageMap::take_stale`])
+    churny: FxHashMap<DevPtr, u32>,
+    /// stale pages unmapped in the background → the handle that lingered there: if a map
+    /// there finds that handle free to take, the guess was wrong (its memory would have come
+    /// back) and the address is no longer churny
+    ghost: FxHashMap<DevPtr, Hid>,
+    /// stale lingering pages out of the map (marked as being unmapped), for the engine to
+    /// unmap in the background
+    stale: Vec<Evict>,
 }
 
 impl Default for PageMap {
@@ -142,6 +167,9 @@ impl PageMap {
             by_event: FxHashMap::default(),
             idle_events: Vec::new(),
             unmapping: FxHashMap::default(),
+            churny: Default::default(),
+            ghost: FxHashMap::default(),
+            stale: Vec::new(),
         }
     }
 
@@ -313,10 +341,16 @@ impl PageMap {
     /// (sorted): moved away first (their handles kept for the mapping stream, or spare), they
     /// let a map of the range reuse its lingering memory with no driver call.
     pub fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
+        // (a stale page unmapped in the background counts too: its memory goes back there)
         let mut out: Vec<DevPtr> = self
             .pages(addr, bytes)
-            .filter_map(|p| self.linger.get(&p))
-            .filter_map(|l| self.live_at.get(&l.handle).copied())
+            .filter_map(|p| {
+                self.linger
+                    .get(&p)
+                    .map(|l| l.handle)
+                    .or(self.ghost.get(&p).copied())
+            })
+            .filter_map(|h| self.live_at.get(&h).copied())
             .collect();
         out.sort_unstable();
         out.dedup();
@@ -366,6 +400,8 @@ impl PageMap {
                         plan.from_kept.push((l.handle, event));
                     }
                     self.set_live(p, l.handle);
+                    // its memory came back: a page that repeats
+                    self.churny.remove(&p);
                     plan.reused.push(p);
                 }
                 None => rest.push(p),
@@ -380,13 +416,23 @@ impl PageMap {
                     addr: p,
                     event: l.event,
                 });
+                *self.churny.entry(p).or_default() += 1;
             }
-            let h = self.pop_usable(stream, false).map(|(h, a)| {
-                if let Avail::Kept { event, .. } = a {
-                    plan.from_kept.push((h, event));
-                }
-                h
+            // the memory a stale unmapping took from here is free again: it would have come
+            // back, so this address repeats after all, and gets it
+            let ghost = self.ghost.remove(&p).and_then(|h| {
+                let a = self.take_if_usable(h, stream)?;
+                self.churny.remove(&p);
+                Some((h, a))
             });
+            let h = ghost
+                .or_else(|| self.pop_usable(stream, false))
+                .map(|(h, a)| {
+                    if let Avail::Kept { event, .. } = a {
+                        plan.from_kept.push((h, event));
+                    }
+                    h
+                });
             plan.fresh.push((p, h));
         }
         Ok(plan)
@@ -411,11 +457,50 @@ impl PageMap {
                 None => continue,
             };
             self.set_live(p, h);
+            self.mark_stale(h);
+        }
+        for &p in &plan.reused {
+            if let Some(h) = self.live.get(&p).copied() {
+                self.mark_stale(h);
+            }
         }
         for (_, ev) in plan.from_kept {
             self.drop_ref(ev);
         }
         self.excess()
+    }
+
+    /// Handle `h` is live again: where it still lingers at an address whose memory does not
+    /// come back (its last map had to unmap another handle there), that mapping is stale;
+    /// the next map there would unmap it on the allocating thread, so it goes now, off it.
+    fn mark_stale(&mut self, h: Hid) {
+        if self.churny.is_empty() {
+            return;
+        }
+        let Some(addrs) = self.at.get(&h) else { return };
+        let stale: Vec<DevPtr> = addrs
+            .iter()
+            .copied()
+            .filter(|a| self.churny.get(a).is_some_and(|&n| n >= CHURNY))
+            .collect();
+        for a in stale {
+            if let Some(l) = self.linger.remove(&a) {
+                self.forget_linger(a, l.handle);
+                self.unmapping.insert(a, ());
+                self.ghost.insert(a, l.handle);
+                self.stale.push(Evict {
+                    addr: a,
+                    event: l.event,
+                });
+            }
+        }
+    }
+
+    /// Stale lingering pages (see [`PageMap::commit`]) to unmap off the allocating thread,
+    /// each after its event; they are marked as being unmapped (a map there waits), and
+    /// [`PageMap::unmapped_evictions`] ends that.
+    pub fn take_stale(&mut self) -> Vec<Evict> {
+        std::mem::take(&mut self.stale)
     }
 
     /// Undo `plan` after a failed call: pages `mapped` (fresh ones the caller did map, with
@@ -637,6 +722,8 @@ impl PageMap {
             .filter(|&p| p >= addr && p < addr + bytes)
             .collect();
         found.sort_unstable();
+        self.churny.retain(|&p, _| p < addr || p >= addr + bytes);
+        self.ghost.retain(|&p, _| p < addr || p >= addr + bytes);
         for p in found {
             if let Some(l) = self.linger.remove(&p) {
                 self.forget_linger(p, l.handle);
@@ -662,7 +749,9 @@ impl PageMap {
     pub fn take_all(&mut self) -> (Vec<(DevPtr, Hid)>, Vec<DevPtr>, Vec<Hid>) {
         let live: Vec<(DevPtr, Hid)> = self.live.drain().collect();
         self.live_at.clear();
-        let linger: Vec<DevPtr> = self.linger.drain().map(|(p, _)| p).collect();
+        let mut linger: Vec<DevPtr> = self.linger.drain().map(|(p, _)| p).collect();
+        // stale pages not unmapped yet are mapped still
+        linger.extend(self.stale.drain(..).map(|e| e.addr));
         let mut handles: Vec<Hid> = live.iter().map(|&(_, h)| h).collect();
         handles.extend(self.avail.drain().map(|(h, _)| h));
         handles.sort_unstable();
@@ -674,6 +763,8 @@ impl PageMap {
         self.kept_by.clear();
         self.idle_events.extend(self.events.drain().map(|(e, _)| e));
         self.by_event.clear();
+        self.churny.clear();
+        self.ghost.clear();
         (live, linger, handles)
     }
 }
@@ -745,6 +836,57 @@ mod tests {
         assert_eq!(map(&mut m, A, 4, 7, &mut next), [4, 0, 0, 0]);
         assert!(m.homes(A, 4 * P).is_empty(), "A is live");
         assert_eq!(m.homes(B, 4 * P).len(), 4);
+    }
+
+    #[test]
+    fn an_address_whose_memory_never_comes_back_is_unmapped_off_the_allocating_thread() {
+        let mut m = PageMap::new(P);
+        let mut next = 0;
+        let elsewhere = [0x3000_0000, 0x4000_0000, 0x5000_0000];
+        map(&mut m, A, 1, 7, &mut next);
+        // each step A's memory moves elsewhere, and the next map at A finds it in use there
+        // and must unmap it (on the allocating thread: `evict`)
+        for (i, &to) in elsewhere.iter().enumerate() {
+            m.detach(A, P, Some(7), None);
+            map(&mut m, to, 1, 7, &mut next);
+            m.finish_move(7);
+            if i < 2 {
+                assert!(
+                    m.take_stale().is_empty(),
+                    "not churny yet after {i} evictions"
+                );
+                assert_eq!(map(&mut m, A, 1, 7, &mut next), [0, 1, 1, 1], "step {i}");
+            }
+        }
+        // after CHURNY evictions in a row, A's mapping went stale when its handle went live
+        // at the last address: it is handed to the background, and a map there waits for it
+        let stale = m.take_stale();
+        assert_eq!(stale.iter().map(|e| e.addr).collect::<Vec<_>>(), vec![A]);
+        assert!(m.unmapping_in(A, P));
+        m.unmapped_evictions(&stale);
+        assert!(!m.unmapping_in(A, P));
+        // the next map at A has nothing to unmap; its memory would still go home
+        assert_eq!(m.homes(A, P), vec![elsewhere[2]]);
+        assert_eq!(map(&mut m, A, 1, 7, &mut next), [0, 0, 1, 1]);
+        // a guess that was wrong: A's old memory is free when A is mapped again, so A takes it
+        // and repeats from then on (its mapping lingers again)
+        m.detach(A, P, Some(7), None);
+        map(&mut m, B, 1, 7, &mut next);
+        let stale = m.take_stale();
+        assert_eq!(stale.len(), 1);
+        m.unmapped_evictions(&stale);
+        m.detach(B, P, Some(7), None);
+        m.finish_move(7);
+        assert_eq!(
+            map(&mut m, A, 1, 7, &mut next),
+            [0, 0, 1, 0],
+            "its old handle"
+        );
+        m.detach(A, P, Some(7), None);
+        map(&mut m, B, 1, 7, &mut next);
+        assert!(m.take_stale().is_empty(), "A repeats: it lingers");
+        m.detach(B, P, Some(7), None);
+        assert_eq!(map(&mut m, A, 1, 7, &mut next), [1, 0, 0, 0], "no call");
     }
 
     #[test]

@@ -101,11 +101,13 @@ impl CostModel {
                 let fg = c.creates as f64 * self.create_us
                     + c.maps as f64 * self.map_us
                     + c.set_access as f64 * self.set_access_us
-                    + c.unmaps as f64 * self.unmap_us
+                    + (c.unmaps - c.unmaps_background) as f64 * self.unmap_us
                     + c.records as f64 * self.record_us
                     + c.waits as f64 * self.sync_stall_us
                     + stalls;
-                (fg, c.releases as f64 * self.release_us)
+                let bg = c.releases as f64 * self.release_us
+                    + c.unmaps_background as f64 * self.unmap_us;
+                (fg, bg)
             }
             None => {
                 // classic segments: every cuMemAlloc and cuMemFree on the allocating thread

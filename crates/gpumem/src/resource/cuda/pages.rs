@@ -16,7 +16,9 @@
 //!   addresses unmapped first);
 //! - access is set once per newly mapped run of pages, not per page;
 //! - a lingering address is unmapped only when a map needs it for another handle (after the
-//!   event of its old work, if that has not completed) or when its range is given back;
+//!   event of its old work, if that has not completed) or when its range is given back, or,
+//!   where memory does not come back to it (`PageMap::take_stale`), by the worker once its
+//!   handle is live elsewhere;
 //! - the worker thread waits for the events of moves in stream order, after which the handles
 //!   they left are spare, and releases handles beyond the cap.
 //!
@@ -39,6 +41,8 @@ enum Job {
     Release(Vec<Release>),
     /// a move in stream order: once `event` has completed, what `stream` kept is spare
     Settle { stream: u64, event: usize },
+    /// stale lingering pages (see `PageMap::take_stale`): unmap each after its event
+    Unmap(Vec<Evict>),
 }
 
 #[derive(Debug, Default)]
@@ -202,6 +206,7 @@ impl Pages {
             maps: get(&c.maps),
             set_access: get(&c.set_access),
             unmaps: get(&c.unmaps_fg) + get(&c.unmaps_bg),
+            unmaps_background: get(&c.unmaps_bg),
             releases: get(&c.releases_fg) + get(&c.releases_bg),
             waits: get(&c.waits),
             aliased: get(&c.aliased),
@@ -295,8 +300,16 @@ impl Pages {
             self.state.lock().map.abandon(plan, &[], &created);
             return Err(e);
         }
-        let excess = self.state.lock().map.commit(plan, &created);
+        let (excess, stale) = {
+            let mut st = self.state.lock();
+            let excess = st.map.commit(plan, &created);
+            (excess, st.map.take_stale())
+        };
         self.release_later(excess);
+        if !stale.is_empty() {
+            let st = self.state.lock();
+            self.enqueue(st, Job::Unmap(stale));
+        }
         Ok(())
     }
 
@@ -452,6 +465,15 @@ impl Pages {
                 let mut st = self.state.lock();
                 st.map.settle_kept(stream, Some(event));
                 self.recycle_events(&mut st);
+            }
+            Job::Unmap(pages) => {
+                self.unmap_pages(&pages, background);
+                let mut st = self.state.lock();
+                st.map.unmapped_evictions(&pages);
+                self.recycle_events(&mut st);
+                drop(st);
+                // a map there may be waiting
+                self.done.notify_all();
             }
         }
     }
@@ -631,6 +653,11 @@ impl Pages {
                     }
                 }
                 Job::Settle { event, .. } => events.push(event),
+                Job::Unmap(pages) => {
+                    for e in pages {
+                        self.unmap_one(e.addr);
+                    }
+                }
             }
         }
         for &(p, _) in &live {
@@ -659,8 +686,8 @@ impl Pages {
     }
 }
 
-/// The worker: waits for the events of moves in stream order (then their handles are spare)
-/// and releases handles beyond the spare cap. It holds only a weak reference, so dropping the
+/// The worker: waits for the events of moves in stream order (then their handles are spare),
+/// unmaps stale lingering pages and releases handles beyond the spare cap. It holds only a weak reference, so dropping the
 /// device ends it.
 fn worker(pages: std::sync::Weak<Pages>) {
     let Some(p) = pages.upgrade() else {
@@ -691,11 +718,12 @@ fn worker(pages: std::sync::Weak<Pages>) {
             st.working = true;
             std::mem::take(&mut st.queued)
         };
-        // releases first: a settle may wait for a long kernel
-        let (release, settle): (Vec<Job>, Vec<Job>) = batch
+        // releases first, then unmaps: a settle may wait for a long kernel
+        let (mut first, settle): (Vec<Job>, Vec<Job>) = batch
             .into_iter()
-            .partition(|j| matches!(j, Job::Release(_)));
-        for job in release.into_iter().chain(settle) {
+            .partition(|j| !matches!(j, Job::Settle { .. }));
+        first.sort_by_key(|j| matches!(j, Job::Unmap(_)));
+        for job in first.into_iter().chain(settle) {
             p.run(job, true);
         }
         p.state.lock().working = false;
