@@ -408,6 +408,8 @@ def main():
                 results.append({"workload": w, "setting": s, "error": r.stderr[-2000:]})
                 continue
             res = json.loads(line[-1][len("RESULT "):])
+            # the per-step lines of BENCH_STEP_STATS=1, kept with the result
+            res["step_stats"] = [l for l in r.stderr.splitlines() if l.startswith("STEP ")]
             results.append(res)
             print(
                 f"  {w:<7} {s:<11} step {res['step_ms']:9.2f} ms  ratio "
