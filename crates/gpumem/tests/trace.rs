@@ -368,7 +368,8 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
         }
     }
     // the arithmetic: the page engine's calls (4 creates, 10 maps, 2 set-access calls, 3
-    // unmaps, 2 releases, 1 event record, 1 wait) and one host synchronisation
+    // unmaps of which 1 in the background, 2 releases, 1 event record, 1 wait) and one host
+    // synchronisation
     let s = gpumem::Stats {
         num_unmap_syncs: 1,
         ..Default::default()
@@ -378,6 +379,7 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
         maps: 10,
         set_access: 2,
         unmaps: 3,
+        unmaps_background: 1,
         releases: 2,
         records: 1,
         waits: 1,
@@ -388,10 +390,10 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
     let want = 4.0 * m.create_us
         + 10.0 * m.map_us
         + 2.0 * m.set_access_us
-        + 3.0 * m.unmap_us
+        + 2.0 * m.unmap_us
         + m.record_us
         + 2.0 * m.sync_stall_us;
-    assert!((fg - want).abs() < 1e-9 && (bg - 2.0 * m.release_us).abs() < 1e-9);
+    assert!((fg - want).abs() < 1e-9 && (bg - 2.0 * m.release_us - m.unmap_us).abs() < 1e-9);
     // classic segments: every cuMemAlloc and cuMemFree on the allocating thread
     let mut s = gpumem::Stats {
         num_device_alloc: 3,
@@ -406,6 +408,14 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
 #[test]
 fn within_2_percent_pytorch_moe_training() {
     real("torch_moe_train.jsonl.gz");
+}
+
+/// The same MoE job over 16 steps (`bench_torch.py --worker moe native --steps 16`): long
+/// enough for the count of page moves to raise the slack several times (1.063 before a raise
+/// had to halve the moves, as in the real run on the H100).
+#[test]
+fn within_2_percent_pytorch_moe_training_16_steps() {
+    real("torch_moe16_train.jsonl.gz");
 }
 
 #[test]
@@ -425,6 +435,7 @@ fn real_traces_with_a_lagging_gpu() {
         ("torch_varlen_train.jsonl.gz", 1.02),
         ("torch_kv_decode.jsonl.gz", 1.035),
         ("torch_moe_train.jsonl.gz", 1.02),
+        ("torch_moe16_train.jsonl.gz", 1.02),
         ("torch_resres_train.jsonl.gz", 1.02),
         ("torch_serve.jsonl.gz", 1.065),
     ];
