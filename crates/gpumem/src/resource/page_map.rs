@@ -167,7 +167,7 @@ impl PageMap {
             by_event: FxHashMap::default(),
             idle_events: Vec::new(),
             unmapping: FxHashMap::default(),
-            churny: Default::default(),
+            churny: FxHashMap::default(),
             ghost: FxHashMap::default(),
             stale: Vec::new(),
         }

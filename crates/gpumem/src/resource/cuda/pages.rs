@@ -300,16 +300,15 @@ impl Pages {
             self.state.lock().map.abandon(plan, &[], &created);
             return Err(e);
         }
-        let (excess, stale) = {
-            let mut st = self.state.lock();
-            let excess = st.map.commit(plan, &created);
-            (excess, st.map.take_stale())
-        };
-        self.release_later(excess);
-        if !stale.is_empty() {
-            let st = self.state.lock();
+        let mut st = self.state.lock();
+        let excess = st.map.commit(plan, &created);
+        let stale = st.map.take_stale();
+        if stale.is_empty() {
+            drop(st);
+        } else {
             self.enqueue(st, Job::Unmap(stale));
         }
+        self.release_later(excess);
         Ok(())
     }
 
@@ -687,8 +686,8 @@ impl Pages {
 }
 
 /// The worker: waits for the events of moves in stream order (then their handles are spare),
-/// unmaps stale lingering pages and releases handles beyond the spare cap. It holds only a weak reference, so dropping the
-/// device ends it.
+/// unmaps stale lingering pages and releases handles beyond the spare cap. It holds only a
+/// weak reference, so dropping the device ends it.
 fn worker(pages: std::sync::Weak<Pages>) {
     let Some(p) = pages.upgrade() else {
         return;
@@ -707,7 +706,7 @@ fn worker(pages: std::sync::Weak<Pages>) {
         let Some(p) = pages.upgrade() else {
             return;
         };
-        let batch = {
+        let mut batch = {
             let mut st = p.state.lock();
             while st.queued.is_empty() && !st.stop {
                 p.wake.wait(&mut st);
@@ -718,12 +717,13 @@ fn worker(pages: std::sync::Weak<Pages>) {
             st.working = true;
             std::mem::take(&mut st.queued)
         };
-        // releases first, then unmaps: a settle may wait for a long kernel
-        let (mut first, settle): (Vec<Job>, Vec<Job>) = batch
-            .into_iter()
-            .partition(|j| !matches!(j, Job::Settle { .. }));
-        first.sort_by_key(|j| matches!(j, Job::Unmap(_)));
-        for job in first.into_iter().chain(settle) {
+        // releases first, then unmaps, settles last: a settle may wait for a long kernel
+        batch.sort_by_key(|j| match j {
+            Job::Release(_) => 0,
+            Job::Unmap(_) => 1,
+            Job::Settle { .. } => 2,
+        });
+        for job in batch {
             p.run(job, true);
         }
         p.state.lock().working = false;
