@@ -9,7 +9,8 @@ Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching 
 backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies), and
 `gpumem_budget` is gpumem with expandable_move_budget:0.01 (the slack grows when page moves take
 more than 1% of the wall time; the default before it was measured to cost memory), and
-`gpumem_classic` is gpumem with classic segments (expandable_segments:False). The table
+`gpumem_classic` is gpumem with classic segments (expandable_segments:False);
+`gpumem/KEY:VALUE+KEY:VALUE` is gpumem with that GPUMEM_CONF. The table
 gives the median step time after warm-up, peak reserved / peak allocated bytes (the
 allocator's own memory_stats), and whether the losses are identical to native's.
 
@@ -45,6 +46,16 @@ SETTINGS = {
     # classic segments (PyTorch's native policy, in gpumem): no page moves at all
     "gpumem_classic": {"GPUMEM_CONF": "expandable_segments:False"},
 }
+
+
+def setting_env(s):
+    """The environment of setting `s`: a name above, or `gpumem/KEY:VALUE+KEY:VALUE` (gpumem
+    with that configuration, e.g. gpumem/expandable_slack:0.5)."""
+    if s.startswith("gpumem/"):
+        return {"GPUMEM_CONF": s[len("gpumem/"):].replace("+", ",")}
+    return SETTINGS[s]
+
+
 WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
@@ -339,7 +350,8 @@ def worker(workload, setting, steps):
             print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
                 "expandable_slack_level", "vmm_calls_foreground", "vmm_calls_background",
                 "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_recalled",
-                "num_homes", "num_page_moves")), file=sys.stderr, flush=True)
+                "num_homes", "num_page_moves", "page_map_ns", "vmm_wait_ns", "vmm_unmap_ns",
+                "vmm_map_ns", "vmm_access_ns")), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -365,12 +377,13 @@ def worker(workload, setting, steps):
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
                       "num_ordered_unmaps", "num_cross_stream_moves", "num_cross_stream_blocks",
-                      "expandable_slack_level")
+                      "expandable_slack_level", "page_map_ns")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:
             steady = len(times) - warm
-            for k in ("vmm_calls_foreground", "vmm_calls_background", "vmm_waits"):
+            for k in ("vmm_calls_foreground", "vmm_calls_background", "vmm_waits", "page_map_ns",
+                      "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns"):
                 out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -395,7 +408,7 @@ def main():
         for s in a.settings.split(","):
             env = dict(os.environ)
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-            env.update(SETTINGS[s])
+            env.update(setting_env(s))
             env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
             if s.startswith("gpumem"):
                 pkg = os.path.join(here, "..", "python", "gpumem_torch")

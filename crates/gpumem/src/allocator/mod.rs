@@ -412,6 +412,10 @@ impl CachingAllocator {
             total.vmm_spare_bytes = c.spare_bytes;
             total.vmm_waits = c.waits;
             total.vmm_aliased = c.aliased;
+            total.vmm_wait_ns = c.wait_ns;
+            total.vmm_unmap_ns = c.unmap_ns;
+            total.vmm_map_ns = c.map_ns;
+            total.vmm_access_ns = c.access_ns;
         }
         if let Some(base) = self.inner.accumulated_base.lock().as_ref() {
             total.subtract_accumulated(base);

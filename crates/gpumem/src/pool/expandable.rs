@@ -226,7 +226,7 @@ impl CachingPool {
         let allowance = self.allowance(self.peak_allocated);
         let reserved = self.stats.reserved();
         let moving = reserved + need > allowance;
-        let started = moving.then(Instant::now);
+        let started = Instant::now();
         if moving {
             self.churn.moves += 1;
             self.stats.num_page_moves += 1;
@@ -270,9 +270,13 @@ impl CachingPool {
                 }
             }
         }
-        if let Some(t) = started {
+        if moving {
             let _ = self.vmm().map(|v| v.finish_move(stream));
-            self.churn.move_ns += t.elapsed().as_nanos() as u64;
+        }
+        let took = started.elapsed().as_nanos() as u64;
+        self.stats.page_map_ns += took;
+        if moving {
+            self.churn.move_ns += took;
         }
         Ok(need)
     }

@@ -131,6 +131,9 @@ pub struct Stats {
     /// allocations that moved pages (mapped beyond the allowance, so free pages elsewhere were
     /// unmapped first): what the churn level counts
     pub num_page_moves: u64,
+    /// nanoseconds the allocating threads spent mapping pages (moves included): what page
+    /// work costs the job where it waits
+    pub page_map_ns: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -144,6 +147,16 @@ pub struct Stats {
     pub vmm_waits: u64,
     /// pages mapped with the memory of pages moved in stream order
     pub vmm_aliased: u64,
+    /// nanoseconds the allocating threads spent in the backend's maps, by phase (filled in by
+    /// the allocator where the backend times them; the CUDA backend does): waiting for its
+    /// own thread's unmapping
+    pub vmm_wait_ns: u64,
+    /// ... unmapping what lingered where pages go (and waiting for its work)
+    pub vmm_unmap_ns: u64,
+    /// ... creating and mapping handles
+    pub vmm_map_ns: u64,
+    /// ... setting access
+    pub vmm_access_ns: u64,
     /// times the cache was released because other processes left the device short of free
     /// memory (`pressure_release`), filled in by the allocator
     pub num_pressure_releases: u64,
@@ -236,6 +249,7 @@ impl Stats {
         self.num_recalled += o.num_recalled;
         self.num_homes += o.num_homes;
         self.num_page_moves += o.num_page_moves;
+        self.page_map_ns += o.page_map_ns;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -376,6 +390,7 @@ pub(crate) struct HotStats {
     pub(crate) num_recalled: u64,
     pub(crate) num_homes: u64,
     pub(crate) num_page_moves: u64,
+    pub(crate) page_map_ns: u64,
 }
 
 impl HotStats {
@@ -547,6 +562,7 @@ impl HotStats {
             num_recalled: self.num_recalled,
             num_homes: self.num_homes,
             num_page_moves: self.num_page_moves,
+            page_map_ns: self.page_map_ns,
             ..Stats::default()
         }
     }

@@ -263,6 +263,16 @@ pub struct VmmCalls {
     pub reused: u64,
     /// events recorded for moves in stream order (cuEventRecord, on the caller's thread)
     pub records: u64,
+    /// nanoseconds the caller's thread spent in maps, by phase: waiting for the resource's
+    /// thread, unmapping what lingered where the pages go (their work waited for), creating
+    /// and mapping handles, setting access (0 where the resource does not time them)
+    pub wait_ns: u64,
+    /// see `wait_ns`
+    pub unmap_ns: u64,
+    /// see `wait_ns`
+    pub map_ns: u64,
+    /// see `wait_ns`
+    pub access_ns: u64,
 }
 
 /// Direct access between devices.

@@ -246,6 +246,17 @@ impl PageMap {
         self.events.contains_key(&ev)
     }
 
+    /// Hold `ev` for a caller that waits on it outside the map (the engine's settle job): it
+    /// is not recycled until [`PageMap::release_event`].
+    pub fn hold_event(&mut self, ev: Ev) {
+        self.hold(Some(ev), 1);
+    }
+
+    /// Let go of an event held with [`PageMap::hold_event`].
+    pub fn release_event(&mut self, ev: Ev) {
+        self.drop_ref(Some(ev));
+    }
+
     fn drop_ref(&mut self, ev: Option<Ev>) {
         let Some(ev) = ev else { return };
         if let Some(n) = self.events.get_mut(&ev) {
@@ -887,6 +898,28 @@ mod tests {
         assert!(m.take_stale().is_empty(), "A repeats: it lingers");
         m.detach(B, P, Some(7), None);
         assert_eq!(map(&mut m, A, 1, 7, &mut next), [1, 0, 0, 0], "no call");
+    }
+
+    #[test]
+    fn an_event_held_for_a_settle_is_not_recycled_before_it_is_let_go() {
+        // a move in stream order with event 9: the engine's settle job holds it
+        let mut m = PageMap::new(P);
+        let mut next = 0;
+        map(&mut m, A, 2, 7, &mut next);
+        m.detach(A, 2 * P, Some(7), Some(9));
+        m.hold_event(9);
+        // every page and handle lets go of it: the next map takes the kept handles, a map at
+        // A evicts the lingering pages
+        map(&mut m, B, 2, 7, &mut next);
+        m.finish_move(7);
+        assert_eq!(map(&mut m, A, 2, 7, &mut next), [0, 2, 2, 2]);
+        assert!(
+            m.take_idle_events().is_empty(),
+            "recorded again now, the settle job would settle a later move's pages early"
+        );
+        m.settle_kept(7, Some(9));
+        m.release_event(9);
+        assert_eq!(m.take_idle_events(), vec![9]);
     }
 
     #[test]

@@ -31,6 +31,7 @@ use crate::resource::page_map::{runs, Evict, PageMap, Release};
 use crate::resource::VmmCalls;
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 type Handle = sys::CUmemGenericAllocationHandle;
 
@@ -54,9 +55,10 @@ struct State {
     working: bool,
     /// idle events (as addresses), for moves in stream order
     events: Vec<usize>,
-    /// the event of the move in progress (stream, event): a move's later unmaps in stream
-    /// order share it (nothing is queued on the stream in between)
-    move_event: Option<(u64, usize)>,
+    /// the event of the move in progress (stream, event, the moving thread): a move's later
+    /// unmaps in stream order share it (nothing is queued on the stream in between by that
+    /// thread; another thread's move records its own)
+    move_event: Option<(u64, usize, std::thread::ThreadId)>,
     /// the worker should stop
     stop: bool,
     /// the worker thread could not be started: jobs run inline
@@ -76,6 +78,10 @@ struct Counters {
     aliased: AtomicU64,
     reused: AtomicU64,
     records: AtomicU64,
+    wait_ns: AtomicU64,
+    unmap_ns: AtomicU64,
+    map_ns: AtomicU64,
+    access_ns: AtomicU64,
 }
 
 /// The page engine of one device.
@@ -213,6 +219,10 @@ impl Pages {
             spare_bytes: idle * self.page,
             reused: get(&c.reused),
             records: get(&c.records),
+            wait_ns: get(&c.wait_ns),
+            unmap_ns: get(&c.unmap_ns),
+            map_ns: get(&c.map_ns),
+            access_ns: get(&c.access_ns),
         }
     }
 
@@ -229,6 +239,14 @@ impl Pages {
         stream: Option<Stream>,
     ) -> Result<()> {
         let page = self.page;
+        let c = &self.counters;
+        let mut t = Instant::now();
+        // time since `t`, added to `counter`; `t` restarts
+        let mut lap = |counter: &AtomicU64| {
+            let now = Instant::now();
+            counter.fetch_add(now.duration_since(t).as_nanos() as u64, Ordering::Relaxed);
+            t = now;
+        };
         let plan = {
             let mut st = self.state.lock();
             // pages the worker is unmapping now (released handles) must be gone first
@@ -238,6 +256,7 @@ impl Pages {
             }
             st.map.plan_map(addr, bytes, stream.map(|s| s.0))?
         };
+        lap(&c.wait_ns);
         self.counters
             .reused
             .fetch_add(plan.reused.len() as u64, Ordering::Relaxed);
@@ -250,6 +269,8 @@ impl Pages {
             let mut st = self.state.lock();
             st.map.evicted(&plan);
             self.recycle_events(&mut st);
+            drop(st);
+            lap(&c.unmap_ns);
         }
         let mut created = Vec::new();
         let mut mapped: Vec<(DevPtr, Handle)> = Vec::with_capacity(plan.fresh.len());
@@ -281,6 +302,7 @@ impl Pages {
             }
             mapped.push((p, h));
         }
+        lap(&c.map_ns);
         if failed.is_none() {
             for (start, n) in runs(mapped.iter().map(|m| m.0), page) {
                 if let Err(e) = self.set_access(start, n * page, peers) {
@@ -288,6 +310,7 @@ impl Pages {
                     break;
                 }
             }
+            lap(&c.access_ns);
         }
         if let Some(e) = failed {
             // all or nothing: unmap what this call mapped (access may not be set there);
@@ -392,8 +415,9 @@ impl Pages {
         busy: bool,
     ) -> Result<()> {
         let mut st = self.state.lock();
+        let me = std::thread::current().id();
         let shared = match st.move_event {
-            Some((s, ev)) if busy && s == stream.0 && st.map.holds(ev) => Some(ev),
+            Some((s, ev, t)) if busy && s == stream.0 && t == me && st.map.holds(ev) => Some(ev),
             _ => None,
         };
         let ev = match (busy, shared) {
@@ -402,12 +426,15 @@ impl Pages {
         };
         let (n, excess) = st.map.detach(addr, bytes, Some(stream.0), ev);
         if let (Some(event), true) = (ev, n > 0) {
-            st.move_event = Some((stream.0, event));
+            st.move_event = Some((stream.0, event, me));
         }
         self.recycle_events(&mut st);
         // idle pages' handles are spare once the move is finished (its maps take them first);
         // the worker watches each event once
         if let (Some(event), true, None) = (ev, n > 0, shared) {
+            // the job holds the event: recycled and recorded again before the worker settles
+            // it, it would settle a later move's handles and pages early
+            st.map.hold_event(event);
             self.enqueue(
                 st,
                 Job::Settle {
@@ -463,6 +490,7 @@ impl Pages {
                 self.wait_event(event, background);
                 let mut st = self.state.lock();
                 st.map.settle_kept(stream, Some(event));
+                st.map.release_event(event);
                 self.recycle_events(&mut st);
             }
             Job::Unmap(pages) => {
