@@ -383,7 +383,9 @@ def worker(workload, setting, steps):
         if calls_at_warm is not None and len(times) > warm:
             steady = len(times) - warm
             for k in ("vmm_calls_foreground", "vmm_calls_background", "vmm_waits", "page_map_ns",
-                      "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns"):
+                      "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns", "vmm_creates",
+                      "vmm_maps", "vmm_set_access", "vmm_unmaps", "vmm_releases", "vmm_records",
+                      "num_page_moves"):
                 out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
     print("RESULT " + json.dumps(out), flush=True)
 

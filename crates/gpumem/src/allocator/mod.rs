@@ -416,6 +416,12 @@ impl CachingAllocator {
             total.vmm_unmap_ns = c.unmap_ns;
             total.vmm_map_ns = c.map_ns;
             total.vmm_access_ns = c.access_ns;
+            total.vmm_creates = c.creates;
+            total.vmm_maps = c.maps;
+            total.vmm_set_access = c.set_access;
+            total.vmm_unmaps = c.unmaps;
+            total.vmm_releases = c.releases;
+            total.vmm_records = c.records;
         }
         if let Some(base) = self.inner.accumulated_base.lock().as_ref() {
             total.subtract_accumulated(base);

@@ -267,6 +267,16 @@ pub const KEYS: &[Key] = &[
         get: |c| c.pool.expandable_slack.to_string(),
     },
     Key {
+        name: "expandable_page_mb",
+        value: "0 or MiB up to 1024 (rounded up to the device's granularity, 2 MiB on current GPUs)",
+        meaning: "bytes of one page of expandable segments: one physical handle, mapped, given access and unmapped as one (each such call costs about the same whatever the page's size; 0 = the granularity)",
+        set: |c, v| {
+            c.backend.page_bytes = mib(v, 0, 1024, "0..=1024 (MiB)")?;
+            Ok(())
+        },
+        get: |c| (c.backend.page_bytes / MIB).to_string(),
+    },
+    Key {
         name: "expandable_move_budget",
         value: "0 ≤ b < 1",
         meaning: "share of wall time page moves may take before the slack grows (0 = no limit, the default)",

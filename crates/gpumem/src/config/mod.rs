@@ -158,6 +158,9 @@ pub struct BackendConfig {
     pub kind: BackendKind,
     /// Release threshold of the cudaMallocAsync pool in bytes (`u64::MAX`: unlimited).
     pub release_threshold: u64,
+    /// Bytes of one page of expandable segments (one physical handle), rounded up to the
+    /// device's granularity (0: the granularity itself).
+    pub page_bytes: u64,
 }
 
 impl Default for BackendConfig {
@@ -165,6 +168,7 @@ impl Default for BackendConfig {
         Self {
             kind: BackendKind::Native,
             release_threshold: u64::MAX,
+            page_bytes: 0,
         }
     }
 }

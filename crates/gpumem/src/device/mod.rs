@@ -79,7 +79,7 @@ impl Device {
 
     /// A simulated device of `capacity` bytes; also returns the device for inspection.
     pub fn simulated(capacity: u64, config: Config) -> Result<(Self, Arc<SimulatedDevice>)> {
-        let dev = Arc::new(SimulatedDevice::new(capacity));
+        let dev = Arc::new(SimulatedDevice::new(capacity).with_page(config.backend.page_bytes));
         Ok((Self::new(dev.clone(), config)?, dev))
     }
 
@@ -219,7 +219,9 @@ pub fn cuda_backend(ordinal: usize, config: &Config) -> Result<Arc<dyn Backend>>
     use crate::config::BackendKind;
     use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
     Ok(match config.backend.kind {
-        BackendKind::Native => Arc::new(CudaDevice::new(ordinal)?),
+        BackendKind::Native => {
+            Arc::new(CudaDevice::new(ordinal)?.with_page(config.backend.page_bytes))
+        }
         BackendKind::CudaMallocAsync => Arc::new(CudaAsyncPool::new(
             ordinal,
             config.backend.release_threshold,

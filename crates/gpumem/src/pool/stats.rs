@@ -157,6 +157,20 @@ pub struct Stats {
     pub vmm_map_ns: u64,
     /// ... setting access
     pub vmm_access_ns: u64,
+    /// the backend's page calls by kind (filled in by the allocator): handles created, pages
+    /// mapped, access set (once per mapped run), pages unmapped (on either thread), handles
+    /// released, events recorded for moves
+    pub vmm_creates: u64,
+    /// see `vmm_creates`
+    pub vmm_maps: u64,
+    /// see `vmm_creates`
+    pub vmm_set_access: u64,
+    /// see `vmm_creates`
+    pub vmm_unmaps: u64,
+    /// see `vmm_creates`
+    pub vmm_releases: u64,
+    /// see `vmm_creates`
+    pub vmm_records: u64,
     /// times the cache was released because other processes left the device short of free
     /// memory (`pressure_release`), filled in by the allocator
     pub num_pressure_releases: u64,

@@ -96,6 +96,8 @@ pub struct SimCounters {
 pub struct SimulatedDevice {
     capacity: u64,
     vmm: bool,
+    /// bytes of one page (one physical handle)
+    page: u64,
     state: Mutex<SimState>,
 }
 
@@ -108,6 +110,7 @@ impl SimulatedDevice {
         Self {
             capacity,
             vmm: true,
+            page: SIM_GRANULARITY,
             state: Mutex::new(SimState {
                 next_addr: SIM_BASE,
                 next_va: SIM_VA_BASE,
@@ -116,6 +119,15 @@ impl SimulatedDevice {
                 ..Default::default()
             }),
         }
+    }
+
+    /// The same device with pages (physical handles) of `page` bytes, a multiple of the
+    /// granularity (see [`Config`](crate::Config)'s `expandable_page_mb`); before any use.
+    pub fn with_page(mut self, page: u64) -> Self {
+        let page = page.max(SIM_GRANULARITY).next_multiple_of(SIM_GRANULARITY);
+        self.page = page;
+        self.state.get_mut().pages = PageMap::new(page);
+        self
     }
 
     /// The same device without virtual-memory support (as on a GPU without VMM).
@@ -182,7 +194,7 @@ impl SimulatedDevice {
             syncs: s.syncs,
             maps: s.maps,
             unmaps: s.unmaps,
-            mapped_bytes: s.pages.live_pages() as u64 * SIM_GRANULARITY,
+            mapped_bytes: s.pages.live_pages() as u64 * s.pages.page(),
             settle_waits: s.driver.waits,
         }
     }
@@ -262,7 +274,7 @@ impl Resource for SimulatedDevice {
 
 impl VirtualMemory for SimulatedDevice {
     fn page_size(&self) -> u64 {
-        SIM_GRANULARITY
+        self.page
     }
 
     fn reserve_address(&self, bytes: u64) -> Result<DevPtr> {
@@ -272,14 +284,14 @@ impl VirtualMemory for SimulatedDevice {
                 "virtual-memory segments",
             ));
         }
-        if bytes == 0 || bytes % SIM_GRANULARITY != 0 {
+        if bytes == 0 || bytes % self.page != 0 {
             return Err(Error::InvalidArgument(format!(
                 "simulated reserve_address of {bytes} bytes: not a positive multiple of the page"
             )));
         }
         let mut s = self.state.lock();
         let addr = s.next_va;
-        s.next_va += bytes + SIM_GRANULARITY; // a guard page between ranges
+        s.next_va += bytes + self.page; // a guard page between ranges
         s.ranges.insert(addr, bytes);
         Ok(addr)
     }
@@ -381,7 +393,7 @@ impl VirtualMemory for SimulatedDevice {
     fn calls(&self) -> VmmCalls {
         let s = self.state.lock();
         VmmCalls {
-            spare_bytes: s.pages.idle_handles() as u64 * SIM_GRANULARITY,
+            spare_bytes: s.pages.idle_handles() as u64 * s.pages.page(),
             ..s.driver
         }
     }
@@ -397,7 +409,7 @@ impl SimulatedDevice {
         s.evict(&plan.evict, true);
         s.pages.evicted(&plan);
         let new = plan.fresh.iter().filter(|f| f.1.is_none()).count() as u64;
-        let room = self.capacity.saturating_sub(s.used + s.external) / SIM_GRANULARITY;
+        let room = self.capacity.saturating_sub(s.used + s.external) / s.pages.page();
         if new > room {
             // what a CUDA engine would have mapped before cuMemCreate failed is unmapped again
             s.pages.abandon(plan, &[], &[]);
@@ -418,7 +430,7 @@ impl SimulatedDevice {
         s.stale.extend(stale);
         s.drain_stale(None);
         s.handles += new;
-        s.used += new * SIM_GRANULARITY;
+        s.used += new * s.pages.page();
         s.release(excess);
         s.maps += 1;
         Ok(())
@@ -430,7 +442,7 @@ impl SimState {
     /// set-access per run of fresh pages.
     fn record_map(&mut self, plan: &MapPlan, created: u64) {
         let fresh = plan.fresh.len() as u64;
-        let runs = page_map::runs(plan.fresh.iter().map(|f| f.0), SIM_GRANULARITY).len() as u64;
+        let runs = page_map::runs(plan.fresh.iter().map(|f| f.0), self.pages.page()).len() as u64;
         let d = &mut self.driver;
         d.creates += created;
         d.maps += fresh;
@@ -504,7 +516,7 @@ impl SimState {
         self.driver.releases += n;
         self.driver.background += n;
         self.handles -= n;
-        self.used -= n * SIM_GRANULARITY;
+        self.used -= n * self.pages.page();
     }
 
     /// Handles kept for a stream whose move event the GPU has passed become spare (the CUDA
@@ -541,7 +553,7 @@ fn check_pages(s: &SimState, addr: DevPtr, bytes: u64, mapped: bool) -> Result<(
             if mapped { "unmap" } else { "map" }
         )))
     };
-    if bytes == 0 || addr % SIM_GRANULARITY != 0 || bytes % SIM_GRANULARITY != 0 {
+    if bytes == 0 || addr % s.pages.page() != 0 || bytes % s.pages.page() != 0 {
         return bad("not whole pages");
     }
     let inside = s
@@ -560,7 +572,7 @@ fn check_pages(s: &SimState, addr: DevPtr, bytes: u64, mapped: bool) -> Result<(
                 "a page is already mapped"
             });
         }
-        page += SIM_GRANULARITY;
+        page += s.pages.page();
     }
     Ok(())
 }

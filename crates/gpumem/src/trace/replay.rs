@@ -44,18 +44,25 @@ pub struct PolicyReport {
     /// `critical_path_us` as a share of the trace's own wall time (its first to last
     /// `time_us`); `None` where the trace has no times
     pub critical_path_share: Option<f64>,
+    /// the page engine's calls by kind (expandable segments; `None` otherwise)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vmm_calls: Option<VmmCalls>,
 }
 
 /// What the driver calls an allocator makes cost, for replays, which run none of them for real.
-/// The defaults are the H100 figures of `shared/notes/vmm-costs.md` (one thread, idle device)
-/// and the cuMemAlloc figures measured with `vmm_micro`.
+/// The page calls' defaults were measured on the H100 with `scripts/probes/vmm_gpu_cost.cu`
+/// while the GPU ran kernels (as it does when a training job allocates): setting access and
+/// unmapping cost per mapping, however many one call covers (10 handles of 2 MiB: 438 µs to
+/// set access, 438 µs to unmap; one handle of 20 MiB: 57 µs and 51 µs; idle, 304/193 and
+/// 30/20 µs). The cuMemAlloc figures come from `vmm_micro`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CostModel {
     /// cuMemCreate of one page, µs
     pub create_us: f64,
     /// cuMemMap of one page, µs
     pub map_us: f64,
-    /// cuMemSetAccess, once per mapped run, µs
+    /// cuMemSetAccess, per page it gives access to (one call per mapped run; its cost grows
+    /// with the mappings it covers), µs
     pub set_access_us: f64,
     /// cuMemUnmap of one page, µs; charged to the allocating thread wherever it runs: the
     /// driver serialises page calls, so the page worker's unmapping lands on the allocating
@@ -79,9 +86,9 @@ impl Default for CostModel {
     fn default() -> Self {
         Self {
             create_us: 13.5,
-            map_us: 1.0,
-            set_access_us: 27.7,
-            unmap_us: 18.9,
+            map_us: 1.6,
+            set_access_us: 44.0,
+            unmap_us: 44.0,
             release_us: 14.0,
             record_us: 2.0,
             segment_us: 30.0,
@@ -100,7 +107,7 @@ impl CostModel {
             Some(c) => {
                 let fg = c.creates as f64 * self.create_us
                     + c.maps as f64 * self.map_us
-                    + c.set_access as f64 * self.set_access_us
+                    + c.maps as f64 * self.set_access_us
                     + (c.unmaps - c.unmaps_background) as f64 * self.unmap_us
                     + c.records as f64 * self.record_us
                     + c.waits as f64 * self.sync_stall_us
@@ -166,6 +173,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         ns_per_event: 0.0,
         critical_path_us: 0.0,
         background_us: 0.0,
+        vmm_calls: None,
         critical_path_share: None,
         device_calls: calls,
         unmap_syncs: 0,
@@ -227,7 +235,7 @@ pub fn replay_simulated(
     lag: Option<u64>,
 ) -> Result<Replay> {
     let make = || {
-        let sim = Arc::new(SimulatedDevice::new(capacity));
+        let sim = Arc::new(SimulatedDevice::new(capacity).with_page(config.backend.page_bytes));
         if let Some(n) = lag {
             sim.set_lag(n);
         }
@@ -365,6 +373,7 @@ fn replay_passes(
             critical_path_us: fg_us,
             background_us: bg_us,
             critical_path_share: wall_us(events).map(|w| fg_us / w),
+            vmm_calls: vmm,
         },
         segments_at_peak: at_peak.1,
         timeline,

@@ -33,6 +33,28 @@ impl CudaDevice {
         })
     }
 
+    /// The same device with pages (physical handles) of `page` bytes, rounded up to the
+    /// granularity (0: the granularity); before any use.
+    pub fn with_page(mut self, page: u64) -> Self {
+        if let Some(p) = self.pages.take() {
+            let gran = p.page();
+            let page = page.max(gran).next_multiple_of(gran);
+            if page == gran {
+                self.pages = Some(p);
+            } else {
+                let handle_type = p.handle_type();
+                p.shut_down();
+                self.pages = Some(Pages::new(
+                    self.ops.ctx.clone(),
+                    self.ordinal,
+                    page,
+                    handle_type,
+                ));
+            }
+        }
+        self
+    }
+
     /// The same device with virtual-memory segments turned off (classic segments only).
     pub fn without_vmm(mut self) -> Self {
         if let Some(p) = self.pages.take() {

@@ -187,6 +187,10 @@ impl Pages {
         pages
     }
 
+    pub(super) fn handle_type(&self) -> sys::CUmemAllocationHandleType {
+        self.prop.0.requestedHandleTypes
+    }
+
     pub(super) fn page(&self) -> u64 {
         self.page
     }
