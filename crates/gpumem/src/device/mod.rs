@@ -219,9 +219,10 @@ pub fn cuda_backend(ordinal: usize, config: &Config) -> Result<Arc<dyn Backend>>
     use crate::config::BackendKind;
     use crate::resource::cuda::{CudaAsyncPool, CudaDevice};
     Ok(match config.backend.kind {
-        BackendKind::Native => {
-            Arc::new(CudaDevice::new(ordinal)?.with_page(config.backend.page_bytes))
-        }
+        BackendKind::Native => Arc::new(CudaDevice::with_page_bytes(
+            ordinal,
+            config.backend.page_bytes,
+        )?),
         BackendKind::CudaMallocAsync => Arc::new(CudaAsyncPool::new(
             ordinal,
             config.backend.release_threshold,

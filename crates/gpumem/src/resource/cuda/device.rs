@@ -21,38 +21,24 @@ pub struct CudaDevice {
 impl CudaDevice {
     /// Device `ordinal`'s memory, on its primary context.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_page_bytes(ordinal, 0)
+    }
+
+    /// [`CudaDevice::new`] with pages (physical handles) of `page` bytes, rounded up to the
+    /// device's granularity (0: the granularity).
+    pub fn with_page_bytes(ordinal: usize, page: u64) -> Result<Self> {
         let ops = CudaOps::new(primary_context(ordinal)?);
         ops.bind()?;
-        let pages = pages::probe(ordinal)
-            .map(|(page, handle_type)| Pages::new(ops.ctx.clone(), ordinal, page, handle_type));
+        let pages = pages::probe(ordinal).map(|(gran, handle_type)| {
+            let page = page.max(gran).next_multiple_of(gran);
+            Pages::new(ops.ctx.clone(), ordinal, page, handle_type)
+        });
         Ok(Self {
             ops,
             ordinal,
             pages,
             peers: Default::default(),
         })
-    }
-
-    /// The same device with pages (physical handles) of `page` bytes, rounded up to the
-    /// granularity (0: the granularity); before any use.
-    pub fn with_page(mut self, page: u64) -> Self {
-        if let Some(p) = self.pages.take() {
-            let gran = p.page();
-            let page = page.max(gran).next_multiple_of(gran);
-            if page == gran {
-                self.pages = Some(p);
-            } else {
-                let handle_type = p.handle_type();
-                p.shut_down();
-                self.pages = Some(Pages::new(
-                    self.ops.ctx.clone(),
-                    self.ordinal,
-                    page,
-                    handle_type,
-                ));
-            }
-        }
-        self
     }
 
     /// The same device with virtual-memory segments turned off (classic segments only).

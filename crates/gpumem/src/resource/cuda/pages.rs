@@ -187,10 +187,6 @@ impl Pages {
         pages
     }
 
-    pub(super) fn handle_type(&self) -> sys::CUmemAllocationHandleType {
-        self.prop.0.requestedHandleTypes
-    }
-
     pub(super) fn page(&self) -> u64 {
         self.page
     }
