@@ -57,7 +57,8 @@ def setting_env(s):
 
 
 # the allocating thread's page time (all, then the CUDA engine's phases), in ns
-PAGE_TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns")
+PAGE_TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
+                  "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")

@@ -44,6 +44,26 @@ fn address_api_rejects_unknown_pointers_and_double_frees() {
     assert_eq!(a.stats().allocation.all.current, 0);
 }
 
+/// `time_calls`: the time spent in allocations and frees (each way in: handle, address,
+/// token) is counted, and only when asked for.
+#[test]
+fn time_calls_counts_the_time_spent_in_calls_only_when_asked() {
+    for (conf, timed) in [("", false), ("time_calls:True", true)] {
+        let a = Device::host(Config::parse(conf).unwrap()).unwrap();
+        for _ in 0..100 {
+            let h = a.allocate(S, 4096, 256).unwrap();
+            a.deallocate(h).unwrap();
+            let p = a.allocate_ptr(S, 1 << 20, 256).unwrap();
+            a.deallocate_ptr(p).unwrap();
+            let (_, t) = a.allocate_token(S, 100, 256).unwrap();
+            a.deallocate_token(t).unwrap();
+        }
+        let s = a.stats();
+        assert_eq!(s.host_alloc_ns > 0, timed, "{conf}: {s:?}");
+        assert_eq!(s.host_free_ns > 0, timed, "{conf}: {s:?}");
+    }
+}
+
 #[test]
 fn bad_requests_leave_the_allocator_usable() {
     let a = host();

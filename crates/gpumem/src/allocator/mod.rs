@@ -12,8 +12,9 @@ use crate::pool::summary::memory_summary;
 use crate::pool::{CachingPool, Handout, SegmentInfo, SharedCounters, Stats, MAX_ALIGN};
 use crate::resource::{Backend, DevPtr, Location, MemInfo, Resource, Stream};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 mod ipc;
 mod pressure;
@@ -53,6 +54,10 @@ struct Inner {
     private_count: AtomicUsize,
     /// the watch on the device's free memory (`pressure_release`)
     pressure: pressure::Pressure,
+    /// `time_calls`: nanoseconds spent in allocations and frees
+    time_calls: bool,
+    alloc_ns: AtomicU64,
+    free_ns: AtomicU64,
 }
 
 /// A block handed out by [`CachingAllocator::allocate`]. Give it back with
@@ -109,6 +114,7 @@ impl CachingAllocator {
             None => (backend, None),
         };
         let shared = Arc::new(SharedCounters::default());
+        let time_calls = config.pool.time_calls;
         let shards = (0..config.shard_count())
             .map(|_| {
                 Padded(Mutex::new(CachingPool::new(
@@ -129,6 +135,9 @@ impl CachingAllocator {
                 private: Mutex::new(Vec::new()),
                 private_count: AtomicUsize::new(0),
                 pressure: Default::default(),
+                time_calls,
+                alloc_ns: AtomicU64::new(0),
+                free_ns: AtomicU64::new(0),
             }),
         })
     }
@@ -186,17 +195,23 @@ impl CachingAllocator {
         align: usize,
         handout: Handout,
     ) -> Result<crate::pool::PoolAlloc> {
+        let started = self.inner.time_calls.then(Instant::now);
         self.watch_pressure();
         let single = self.inner.shards.len() == 1;
         let r = self
             .shard(i)
             .allocate_inner(stream, bytes, align, single, handout);
-        match r {
+        let r = match r {
             Err(e) if !single && e.is_out_of_memory() => {
                 self.allocate_after_reclaim(i, stream, bytes, align, handout)
             }
             r => r,
+        };
+        if let Some(t) = started {
+            let ns = t.elapsed().as_nanos() as u64;
+            self.inner.alloc_ns.fetch_add(ns, Ordering::Relaxed);
         }
+        r
     }
 
     /// Out of memory in shard `i`: release the other shards' caches and retry once.
@@ -314,8 +329,14 @@ impl CachingAllocator {
     /// address. A token used twice is an error, never undefined behaviour.
     #[inline]
     pub fn deallocate_token(&self, token: u64) -> Result<DevPtr> {
+        let started = self.inner.time_calls.then(Instant::now);
         let (i, generation, id) = self.token_parts(token)?;
-        self.shard(i).free_by_id(id, generation)
+        let r = self.shard(i).free_by_id(id, generation);
+        if let Some(t) = started {
+            let ns = t.elapsed().as_nanos() as u64;
+            self.inner.free_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        r
     }
 
     /// (shard, hand-out count, slot) of a token of [`CachingAllocator::allocate_token`].
@@ -338,12 +359,28 @@ impl CachingAllocator {
     /// Return an allocation; it is reused in order on its stream.
     #[inline]
     pub fn deallocate(&self, a: Allocation) -> Result<()> {
-        self.shard(a.shard as usize).free_block_id(a.id, a.ptr)
+        let started = self.inner.time_calls.then(Instant::now);
+        let r = self.shard(a.shard as usize).free_block_id(a.id, a.ptr);
+        if let Some(t) = started {
+            let ns = t.elapsed().as_nanos() as u64;
+            self.inner.free_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        r
     }
 
     /// Return a block from [`CachingAllocator::allocate_ptr`] by its address alone (the C ABI
     /// path): unknown pointers and double frees are errors, never undefined behaviour.
     pub fn deallocate_ptr(&self, ptr: DevPtr) -> Result<()> {
+        let started = self.inner.time_calls.then(Instant::now);
+        let r = self.deallocate_ptr_untimed(ptr);
+        if let Some(t) = started {
+            let ns = t.elapsed().as_nanos() as u64;
+            self.inner.free_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn deallocate_ptr_untimed(&self, ptr: DevPtr) -> Result<()> {
         let first = self.shard_index();
         let mut err = None;
         for j in std::iter::once(first).chain((0..self.inner.shards.len()).filter(|&j| j != first))
@@ -405,6 +442,8 @@ impl CachingAllocator {
         total.num_pressure_releases = self.inner.pressure.releases.load(Ordering::Relaxed);
         total.expandable_slack_level =
             u64::from(self.inner.shared.churn_level.load(Ordering::Relaxed));
+        total.host_alloc_ns = self.inner.alloc_ns.load(Ordering::Relaxed);
+        total.host_free_ns = self.inner.free_ns.load(Ordering::Relaxed);
         if let Some(v) = self.inner.backend.virtual_memory() {
             let c = v.calls();
             total.vmm_calls_foreground = c.foreground;

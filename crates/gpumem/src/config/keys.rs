@@ -277,6 +277,16 @@ pub const KEYS: &[Key] = &[
         get: |c| (c.backend.page_bytes / MIB).to_string(),
     },
     Key {
+        name: "time_calls",
+        value: "`True` or `False`",
+        meaning: "time every allocation and free on its calling thread into the stats `host_alloc_ns` and `host_free_ns` (two clock reads a call; off by default)",
+        set: |c, v| {
+            c.pool.time_calls = boolean(v)?;
+            Ok(())
+        },
+        get: |c| show_bool(c.pool.time_calls),
+    },
+    Key {
         name: "expandable_move_budget",
         value: "0 ≤ b < 1",
         meaning: "share of wall time page moves may take before the slack grows (0 = no limit, the default)",

@@ -123,6 +123,9 @@ pub struct PoolConfig {
     pub pressure_release: f64,
     /// How often (at most) the device's free memory is read for `pressure_release`, ms.
     pub pressure_interval_ms: u64,
+    /// Time each allocation and free on its calling thread (lock included) into the stats
+    /// `host_alloc_ns` and `host_free_ns`: two clock reads a call, off by default.
+    pub time_calls: bool,
 }
 
 impl Default for PoolConfig {
@@ -138,6 +141,7 @@ impl Default for PoolConfig {
             expandable_move_budget: 0.0,
             pressure_release: 0.05,
             pressure_interval_ms: 100,
+            time_calls: false,
         }
     }
 }

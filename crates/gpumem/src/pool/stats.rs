@@ -174,6 +174,11 @@ pub struct Stats {
     /// times the cache was released because other processes left the device short of free
     /// memory (`pressure_release`), filled in by the allocator
     pub num_pressure_releases: u64,
+    /// nanoseconds the calling threads spent in allocations, the lock included (filled in by
+    /// the allocator; counted only with the `time_calls` setting)
+    pub host_alloc_ns: u64,
+    /// ... in frees (`time_calls`)
+    pub host_free_ns: u64,
     /// bytes of physical pages the backend keeps unmapped for the next map (not in
     /// `reserved_bytes`)
     pub vmm_spare_bytes: u64,
