@@ -195,22 +195,30 @@ impl CachingAllocator {
         align: usize,
         handout: Handout,
     ) -> Result<crate::pool::PoolAlloc> {
-        let started = self.inner.time_calls.then(Instant::now);
-        self.watch_pressure();
-        let single = self.inner.shards.len() == 1;
-        let r = self
-            .shard(i)
-            .allocate_inner(stream, bytes, align, single, handout);
-        let r = match r {
-            Err(e) if !single && e.is_out_of_memory() => {
-                self.allocate_after_reclaim(i, stream, bytes, align, handout)
+        self.timed(&self.inner.alloc_ns, || {
+            self.watch_pressure();
+            let single = self.inner.shards.len() == 1;
+            let r = self
+                .shard(i)
+                .allocate_inner(stream, bytes, align, single, handout);
+            match r {
+                Err(e) if !single && e.is_out_of_memory() => {
+                    self.allocate_after_reclaim(i, stream, bytes, align, handout)
+                }
+                r => r,
             }
-            r => r,
-        };
-        if let Some(t) = started {
-            let ns = t.elapsed().as_nanos() as u64;
-            self.inner.alloc_ns.fetch_add(ns, Ordering::Relaxed);
+        })
+    }
+
+    /// `f()`, its time added to `counter` with the `time_calls` setting.
+    #[inline]
+    fn timed<T>(&self, counter: &AtomicU64, f: impl FnOnce() -> T) -> T {
+        if !self.inner.time_calls {
+            return f();
         }
+        let started = Instant::now();
+        let r = f();
+        counter.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         r
     }
 
@@ -329,14 +337,10 @@ impl CachingAllocator {
     /// address. A token used twice is an error, never undefined behaviour.
     #[inline]
     pub fn deallocate_token(&self, token: u64) -> Result<DevPtr> {
-        let started = self.inner.time_calls.then(Instant::now);
-        let (i, generation, id) = self.token_parts(token)?;
-        let r = self.shard(i).free_by_id(id, generation);
-        if let Some(t) = started {
-            let ns = t.elapsed().as_nanos() as u64;
-            self.inner.free_ns.fetch_add(ns, Ordering::Relaxed);
-        }
-        r
+        self.timed(&self.inner.free_ns, || {
+            let (i, generation, id) = self.token_parts(token)?;
+            self.shard(i).free_by_id(id, generation)
+        })
     }
 
     /// (shard, hand-out count, slot) of a token of [`CachingAllocator::allocate_token`].
@@ -359,25 +363,15 @@ impl CachingAllocator {
     /// Return an allocation; it is reused in order on its stream.
     #[inline]
     pub fn deallocate(&self, a: Allocation) -> Result<()> {
-        let started = self.inner.time_calls.then(Instant::now);
-        let r = self.shard(a.shard as usize).free_block_id(a.id, a.ptr);
-        if let Some(t) = started {
-            let ns = t.elapsed().as_nanos() as u64;
-            self.inner.free_ns.fetch_add(ns, Ordering::Relaxed);
-        }
-        r
+        self.timed(&self.inner.free_ns, || {
+            self.shard(a.shard as usize).free_block_id(a.id, a.ptr)
+        })
     }
 
     /// Return a block from [`CachingAllocator::allocate_ptr`] by its address alone (the C ABI
     /// path): unknown pointers and double frees are errors, never undefined behaviour.
     pub fn deallocate_ptr(&self, ptr: DevPtr) -> Result<()> {
-        let started = self.inner.time_calls.then(Instant::now);
-        let r = self.deallocate_ptr_untimed(ptr);
-        if let Some(t) = started {
-            let ns = t.elapsed().as_nanos() as u64;
-            self.inner.free_ns.fetch_add(ns, Ordering::Relaxed);
-        }
-        r
+        self.timed(&self.inner.free_ns, || self.deallocate_ptr_untimed(ptr))
     }
 
     fn deallocate_ptr_untimed(&self, ptr: DevPtr) -> Result<()> {
