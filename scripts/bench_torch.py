@@ -56,9 +56,10 @@ def setting_env(s):
     return SETTINGS[s]
 
 
-# the allocating thread's page time (all, then the CUDA engine's phases), in ns
-PAGE_TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
-                  "host_alloc_ns", "host_free_ns")
+# the allocating thread's time, in ns: page work (all, then the CUDA engine's phases), then
+# the whole of allocations and frees (counted with the time_calls setting)
+TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
+             "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
@@ -353,7 +354,7 @@ def worker(workload, setting, steps):
             print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
                 "expandable_slack_level", "vmm_calls_foreground", "vmm_calls_background",
                 "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_recalled",
-                "num_homes", "num_page_moves", *PAGE_TIME_KEYS)), file=sys.stderr, flush=True)
+                "num_homes", "num_page_moves", *TIME_KEYS)), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -385,7 +386,7 @@ def worker(workload, setting, steps):
         if calls_at_warm is not None and len(times) > warm:
             steady = len(times) - warm
             for k in ("vmm_calls_foreground", "vmm_calls_background", "vmm_waits",
-                      *PAGE_TIME_KEYS, "vmm_creates", "vmm_maps", "vmm_set_access", "vmm_unmaps",
+                      *TIME_KEYS, "vmm_creates", "vmm_maps", "vmm_set_access", "vmm_unmaps",
                       "vmm_releases", "vmm_records", "num_page_moves"):
                 out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
     print("RESULT " + json.dumps(out), flush=True)
