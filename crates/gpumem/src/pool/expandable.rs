@@ -63,10 +63,11 @@ impl CachingPool {
             },
         };
         self.split(id, size);
-        if self
-            .churn
-            .tick(self.peak_allocated, self.policy.move_budget)
-        {
+        if self.churn.tick(
+            self.peak_allocated,
+            self.policy.move_budget,
+            self.recall.repeats(),
+        ) {
             let level = self.churn.level;
             let shared = &self.shared.churn_level;
             if shared.fetch_max(level, Ordering::Relaxed) > level {
@@ -832,9 +833,11 @@ impl Churn {
     pub(super) const QUIET: u32 = 4;
 
     /// Count one allocation; true when the level changed. `budget`: the share of wall time
-    /// moves may take (0 = no limit).
+    /// moves may take (0 = no limit). `repeating`: the job's allocations repeat (layout
+    /// recall is finding them), so its moves are the layout settling into place and do not
+    /// raise the level (which would turn recall off and leave the moves for good).
     #[inline]
-    pub(super) fn tick(&mut self, peak_allocated: u64, budget: f64) -> bool {
+    pub(super) fn tick(&mut self, peak_allocated: u64, budget: f64, repeating: bool) -> bool {
         self.allocs += 1;
         let before = self.level;
         if self.allocs >= Self::WINDOW {
@@ -859,7 +862,7 @@ impl Churn {
                     .max(1.0) as u32;
                 self.cost_level = (self.cost_level + over).min(Self::MAX_LEVEL);
                 self.quiet = 0;
-            } else if self.moves > Self::HIGH && !grew {
+            } else if self.moves > Self::HIGH && !grew && !repeating {
                 // the slack doubles only while doubling it at least halved the moves (sizes
                 // that vary within a bound, as MoE's tokens per expert, keep moving pages at
                 // any slack short of the bound, and moves are cheap), or while pages move on
