@@ -11,22 +11,13 @@
 // also when the map is made on the allocating thread and only access is set off it (mode 2),
 // whose maps then take 80-120 us: the driver serialises page calls across threads. So maps
 // cannot be left to a worker under PyTorch, which queues memsets and copies at once.
-#include <cuda.h>
-#include <cuda_runtime.h>
+#include "vmm_probe.h"
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <cstdio>
-#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <thread>
-#include <vector>
-
-#define CK(x) do { CUresult r = (x); if (r != CUDA_SUCCESS) { const char* s; cuGetErrorString(r, &s); \
-  fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s); exit(1); } } while (0)
-#define RK(x) do { cudaError_t r = (x); if (r != cudaSuccess) { \
-  fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(r)); exit(1); } } while (0)
 
 __global__ void fill(unsigned* p, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
@@ -49,12 +40,6 @@ static std::mutex hmu;
 static std::atomic<bool> slot_free[16];
 static volatile unsigned* flag; static std::atomic<bool> stop{false};
 
-static void set_access(CUdeviceptr va, size_t bytes) {
-  CUmemAccessDesc d = {};
-  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE; d.location.id = 0;
-  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CK(cuMemSetAccess(va, bytes, &d, 1));
-}
 static void map_only(CUdeviceptr a, const std::vector<int>& hs) {
   for (size_t i = 0; i < hs.size(); i++) CK(cuMemMap(a + i * P, P, 0, handles[hs[i]], 0));
 }

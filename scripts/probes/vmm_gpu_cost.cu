@@ -2,20 +2,10 @@
 // laid out as one cudaMalloc, as 2 MiB handles mapped side by side, as 20 MiB handles, and
 // while another thread maps, sets access on and unmaps pages elsewhere.
 // Build: nvcc -O2 -o vmm_gpu_cost vmm_gpu_cost.cu -lcuda -lpthread
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <algorithm>
+#include "vmm_probe.h"
 #include <atomic>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <thread>
-#include <vector>
-
-#define CK(x) do { CUresult r = (x); if (r != CUDA_SUCCESS) { const char* s; cuGetErrorString(r, &s); \
-  fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s); exit(1); } } while (0)
-#define RK(x) do { cudaError_t r = (x); if (r != cudaSuccess) { \
-  fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(r)); exit(1); } } while (0)
 
 __global__ void stream_sum(const float4* p, size_t n, float* out) {
   float acc = 0;
@@ -24,30 +14,7 @@ __global__ void stream_sum(const float4* p, size_t n, float* out) {
   }
   if (acc == 12345.f) *out = acc;
 }
-__global__ void gather(const float* p, size_t n, size_t reads, float* out) {
-  float acc = 0;
-  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-  unsigned long long h = i * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t k = i; k < reads; k += (size_t)gridDim.x * blockDim.x) {
-    h ^= h >> 33; h *= 0xff51afd7ed558ccdull; h ^= h >> 33;
-    acc += p[h % n];
-  }
-  if (acc == 12345.f) *out = acc;
-}
 
-static CUmemAllocationProp prop() {
-  CUmemAllocationProp p = {};
-  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  p.location.id = 0;
-  return p;
-}
-static void set_access(CUdeviceptr va, size_t bytes) {
-  CUmemAccessDesc d = {};
-  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE; d.location.id = 0;
-  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CK(cuMemSetAccess(va, bytes, &d, 1));
-}
 // `bytes` mapped from handles of `chunk` bytes side by side
 static CUdeviceptr vmm_buffer(size_t bytes, size_t chunk) {
   CUdeviceptr va;
@@ -80,7 +47,6 @@ static double time_kernel(int which, void* buf, size_t bytes, cudaStream_t s) {
   RK(cudaEventDestroy(a)); RK(cudaEventDestroy(b));
   return ms;
 }
-static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 
 int main(int argc, char** argv) {
   size_t bytes = 4000ull << 20;  // a multiple of 2 and of 20 MiB

@@ -7,43 +7,9 @@
 // 208-217 us, unmap 145-149 us (one call or one per piece alike); one 20 MiB handle mapped
 // whole: 0.7 / 33.7 / 21.4 us; mapping a piece of a handle (a non-zero offset) is refused with
 // CUDA_ERROR_NOT_SUPPORTED, where the probe stops.
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <algorithm>
+#include "vmm_probe.h"
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
 
-#define CK(x) do { CUresult r = (x); if (r != CUDA_SUCCESS) { const char* s; cuGetErrorString(r, &s); \
-  fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s); exit(1); } } while (0)
-#define RK(x) do { cudaError_t r = (x); if (r != cudaSuccess) { \
-  fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(r)); exit(1); } } while (0)
-
-__global__ void gather(const float* p, size_t n, size_t reads, float* out) {
-  float acc = 0;
-  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-  unsigned long long h = i * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t k = i; k < reads; k += (size_t)gridDim.x * blockDim.x) {
-    h ^= h >> 33; h *= 0xff51afd7ed558ccdull; h ^= h >> 33;
-    acc += p[h % n];
-  }
-  if (acc == 12345.f) *out = acc;
-}
-static CUmemAllocationProp prop() {
-  CUmemAllocationProp p = {};
-  p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  p.location.id = 0;
-  return p;
-}
-static void set_access(CUdeviceptr va, size_t bytes) {
-  CUmemAccessDesc d = {};
-  d.location.type = CU_MEM_LOCATION_TYPE_DEVICE; d.location.id = 0;
-  d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  CK(cuMemSetAccess(va, bytes, &d, 1));
-}
-static double med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 using clk = std::chrono::steady_clock;
 static double us(clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
 
@@ -90,7 +56,7 @@ int main() {
             RK(cudaStreamSynchronize(bs));
           }
           printf("%-32s %-5s %-6s %-6s %9.1f %9.1f %9.1f\n", names[l], busy ? "busy" : "idle",
-                 per_access ? "piece" : "one", per_unmap ? "piece" : "one", med(tm), med(ta), med(tu));
+                 per_access ? "piece" : "one", per_unmap ? "piece" : "one", median(tm), median(ta), median(tu));
         }
   // a page moved inside a big handle's mapping: 10 pieces mapped, then one piece unmapped and
   // mapped again elsewhere with access set, the rest staying (what a page move would be)
@@ -117,7 +83,7 @@ int main() {
         if (rep) { tu.push_back(us(t0, t1)); tm.push_back(us(t1, t2)); ta.push_back(us(t2, t3)); }
         RK(cudaStreamSynchronize(bs));
       }
-      printf("%-32s %-5s unmap %7.1f map %7.1f access %7.1f us\n", names[l], busy ? "busy" : "idle", med(tu), med(tm), med(ta));
+      printf("%-32s %-5s unmap %7.1f map %7.1f access %7.1f us\n", names[l], busy ? "busy" : "idle", median(tu), median(tm), median(ta));
       CK(cuMemUnmap(va + 40 * P, P));  // (rep 20 moved it to page 40)
       for (int i = 0; i < 10; i++) if (i != 5) CK(cuMemUnmap(va + i * P, P));
     }
