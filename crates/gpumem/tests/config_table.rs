@@ -41,7 +41,7 @@ fn samples(name: &str) -> &'static [&'static str] {
         "memory_fraction" => &["none", "0.25", "1"],
         "memory_limit_mb" => &["none", "1", "81920"],
         "release_threshold_mb" => &["unlimited", "0", "512"],
-        "expandable_page_mb" => &["0", "2", "8", "20", "1024"],
+        "expandable_page_mb" => &["0", "2", "8", "16", "1024"],
         "shards" | "staging_threads" => &["auto", "1", "64"],
         "quick_cache" => &["0", "16", "256"],
         "cross_stream_reuse" | "expandable_segments" | "time_calls" => &["True", "False", "0", "1"],

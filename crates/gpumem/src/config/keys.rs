@@ -268,10 +268,16 @@ pub const KEYS: &[Key] = &[
     },
     Key {
         name: "expandable_page_mb",
-        value: "0 or MiB up to 1024 (rounded up to the device's granularity, 2 MiB on current GPUs)",
+        value: "0 or a power of two of MiB up to 1024 (rounded up to the device's granularity, 2 MiB on current GPUs)",
         meaning: "bytes of one page of expandable segments: one physical handle, mapped, given access and unmapped as one (each such call costs about the same whatever the page's size; 0 = the granularity)",
         set: |c, v| {
-            c.backend.page_bytes = mib(v, 0, 1024, "0..=1024 (MiB)")?;
+            let bytes = mib(v, 0, 1024, "0..=1024 (MiB)")?;
+            // (address ranges are reserved aligned to a page, which the driver takes only as
+            // a power of two)
+            if bytes != 0 && !bytes.is_power_of_two() {
+                return Err("expected a power of two (1, 2, 4, ... 1024 MiB)".into());
+            }
+            c.backend.page_bytes = bytes;
             Ok(())
         },
         get: |c| (c.backend.page_bytes / MIB).to_string(),

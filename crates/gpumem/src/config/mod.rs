@@ -370,6 +370,9 @@ mod tests {
             ("cross_stream_reuse:maybe", "cross_stream_reuse"),
             ("expandable_segments:yes", "expandable_segments"),
             ("expandable_slack:2", "expandable_slack"),
+            // (20 MiB, PyTorch's large handle, failed in cuMemAddressReserve at the first
+            // allocation on the H100: the alignment must be a power of two)
+            ("expandable_page_mb:20", "power of two"),
         ] {
             let e = Config::parse(s).unwrap_err().to_string();
             assert!(e.contains(needle), "{s}: {e}");

@@ -20,6 +20,11 @@ pub const GRID: &[&str] = &[
     "expandable_slack:0",
     "expandable_slack:0.02",
     "expandable_slack:0.1",
+    // larger pages: fewer, cheaper moves (set-access and unmap are paid per mapping) for more
+    // memory in the pages free blocks share with live ones
+    "expandable_page_mb:4",
+    "expandable_page_mb:8",
+    "expandable_page_mb:16",
     "roundup_power2_divisions:4",
     "quick_cache:0",
 ];
