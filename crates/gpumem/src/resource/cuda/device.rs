@@ -24,13 +24,15 @@ impl CudaDevice {
         Self::with_page_bytes(ordinal, 0)
     }
 
-    /// [`CudaDevice::new`] with pages (physical handles) of `page` bytes, rounded up to the
-    /// device's granularity (0: the granularity).
+    /// [`CudaDevice::new`] with pages (physical handles) of `page` bytes, rounded up to a power
+    /// of two at least the device's granularity (0: the granularity): address ranges are
+    /// reserved aligned to a page, and `cuMemAddressReserve` refuses other alignments (20 MiB
+    /// failed with `CUDA_ERROR_INVALID_VALUE` on the H100).
     pub fn with_page_bytes(ordinal: usize, page: u64) -> Result<Self> {
         let ops = CudaOps::new(primary_context(ordinal)?);
         ops.bind()?;
         let pages = pages::probe(ordinal).map(|(gran, handle_type)| {
-            let page = page.max(gran).next_multiple_of(gran);
+            let page = page.max(gran).next_power_of_two();
             Pages::new(ops.ctx.clone(), ordinal, page, handle_type)
         });
         Ok(Self {
