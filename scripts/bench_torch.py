@@ -7,15 +7,17 @@
 Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
 `expandable` is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `async` is
 backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies), and
-`gpumem_budget` is gpumem with expandable_move_budget:0.01 (the slack grows when page moves take
-more than 1% of the wall time; the default before it was measured to cost memory), and
 `gpumem_classic` is gpumem with classic segments (expandable_segments:False);
 `gpumem/KEY:VALUE+KEY:VALUE` is gpumem with that GPUMEM_CONF. The table
 gives the median step time after warm-up, peak reserved / peak allocated bytes (the
 allocator's own memory_stats), and whether the losses are identical to native's.
 
 Workloads (seeded; bf16 autocast where training):
-  gpt     12-layer d=1024 decoder, batch 8 x 1024 tokens, AdamW
+  gpt     12-layer d=1024 decoder (nn.TransformerEncoder), batch 8 x 1024 tokens, AdamW
+  gptfix  the fixed-shape GPT of shared/traces/gpt_train written out by hand as users write
+          it (nanoGPT-style blocks with scaled_dot_product_attention, GELU MLP, tied
+          embedding): 12 layers, d 1024, batch 8 x 1024, AdamW, bf16 autocast
+  vit     ViT-B/16 (torchvision) training, batch 32 at 224 x 224, AdamW
   varlen  the same with a sequence length drawn per step (128..1024)
   resnet  torchvision ResNet-50, batch 64, SGD (a ResNet-like stack if torchvision is missing)
   kv      autoregressive decoding, 16 layers, KV caches grown with torch.cat (time: whole run)
@@ -41,8 +43,6 @@ SETTINGS = {
     "expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
     "gpumem": {},
-    # page moves held to 1% of the wall time (the slack grows beyond it)
-    "gpumem_budget": {"GPUMEM_CONF": "expandable_move_budget:0.01"},
     # classic segments (PyTorch's native policy, in gpumem): no page moves at all
     "gpumem_classic": {"GPUMEM_CONF": "expandable_segments:False"},
 }
@@ -60,7 +60,7 @@ def setting_env(s):
 # the whole of allocations and frees (counted with the time_calls setting)
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
-WORKLOADS = ["gpt", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
+WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -103,6 +103,70 @@ def run_gpt(torch, steps, varlen):
         seq = 64 * int(torch.randint(2, 17, (1,), generator=g)) if varlen else 1024
         x = torch.randint(0, 32000, (8, seq), generator=g).cuda()
         yield lm_step(torch, m, opt, x)
+
+
+def run_gptfix(torch, steps, L=12, D=1024, H=16, V=32000, B=8, T=1024):
+    F = torch.nn.functional
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(D), torch.nn.LayerNorm(D)
+            self.qkv, self.proj = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
+            self.up, self.down = torch.nn.Linear(D, 4 * D), torch.nn.Linear(4 * D, D)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+            q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, D))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class Gpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = torch.nn.Embedding(V, D), torch.nn.Embedding(T, D)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(L))
+            self.ln = torch.nn.LayerNorm(D)
+            self.head = torch.nn.Linear(D, V, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, x):
+            h = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(self.ln(h))
+
+    m = Gpt().cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-4)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(steps):
+        x = torch.randint(0, V, (B, T + 1), generator=g).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = m(x[:, :-1])
+            loss = F.cross_entropy(logits.float().view(-1, V), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
+
+
+def run_vit(torch, steps, batch=32):
+    import torchvision
+
+    m = torchvision.models.vit_b_16().cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(10)
+    for _ in range(steps):
+        x = torch.randn(batch, 3, 224, 224, generator=g).cuda()
+        y = torch.randint(0, 1000, (batch,), generator=g).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
 
 
 def run_streams(torch, steps):
@@ -321,6 +385,8 @@ def worker(workload, setting, steps):
     torch.use_deterministic_algorithms(True, warn_only=True)
     gen = {
         "gpt": lambda: run_gpt(torch, steps, False),
+        "gptfix": lambda: run_gptfix(torch, steps),
+        "vit": lambda: run_vit(torch, steps),
         "varlen": lambda: run_gpt(torch, steps, True),
         "resnet": lambda: run_resnet(torch, steps),
         "kv": lambda: run_kv(torch, 3),
@@ -352,9 +418,10 @@ def worker(workload, setting, steps):
 
             s = gpumem_torch.memory_stats()
             print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
-                "expandable_slack_level", "vmm_calls_foreground", "vmm_calls_background",
+                "num_move_stops", "vmm_calls_foreground", "vmm_calls_background",
                 "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_recalled",
-                "num_homes", "num_page_moves", *TIME_KEYS)), file=sys.stderr, flush=True)
+                "num_homes", "num_page_moves", "num_pressure_moves", "page_move_ns",
+                *TIME_KEYS)), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -380,14 +447,14 @@ def worker(workload, setting, steps):
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
                       "num_ordered_unmaps", "num_cross_stream_moves", "num_cross_stream_blocks",
-                      "expandable_slack_level", "page_map_ns")
+                      "num_move_stops", "num_pressure_moves", "page_move_ns", "page_map_ns")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:
             steady = len(times) - warm
             for k in ("vmm_calls_foreground", "vmm_calls_background", "vmm_waits",
                       *TIME_KEYS, "vmm_creates", "vmm_maps", "vmm_set_access", "vmm_unmaps",
-                      "vmm_releases", "vmm_records", "num_page_moves"):
+                      "vmm_releases", "vmm_records", "num_page_moves", "page_move_ns"):
                 out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -452,7 +519,7 @@ def main():
                 calls = (f"  calls/step fg {g['vmm_calls_foreground_per_step']:.1f} "
                          f"bg {g['vmm_calls_background_per_step']:.1f} "
                          f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']} "
-                         f"level {g.get('expandable_slack_level', 0)}")
+                         f"stops {g.get('num_move_stops', 0)}")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")

@@ -351,3 +351,88 @@ fn active_peaks_follow_current_without_deferred_frees() {
     );
     a.deallocate(x).unwrap();
 }
+
+/// A job whose layout drifts every step (sizes drawn per step, 40 ms a step): moving pages
+/// would be needed on every step. The moves' time on the device's clock (the simulator's: what
+/// their calls would cost on an H100) stays within 1% of the elapsed time plus the budget's
+/// cap and one move; once they overdraw it they stop for good, and the job maps and keeps: no
+/// driver call in its last steps.
+#[test]
+fn page_moves_stay_within_the_time_budget_then_stop() {
+    use gpumem::workload::SplitMix;
+    let (a, dev) = Device::simulated(1 << 40, Config::default()).unwrap();
+    let calls = |d: &gpumem::resource::sim::SimulatedDevice| {
+        use gpumem::resource::VirtualMemory;
+        d.calls().foreground
+    };
+    let mut r = SplitMix::new(11);
+    let (steps, step_us) = (200u64, 40_000u64);
+    let mut last_calls = 0;
+    for step in 0..steps {
+        dev.set_time_us(step * step_us);
+        let before = calls(&dev);
+        // activations of drawn sizes; every other one freed, then a large temporary, then
+        // the rest
+        let live: Vec<_> = (0..24)
+            .map(|_| {
+                let mib = 4 + r.below(60);
+                a.allocate(S, (mib * MIB) as usize, 256).unwrap()
+            })
+            .collect();
+        let (odd, even): (Vec<_>, Vec<_>) =
+            live.into_iter().enumerate().partition(|(i, _)| i % 2 == 1);
+        for (_, x) in odd {
+            a.deallocate(x).unwrap();
+        }
+        let t = a
+            .allocate(S, ((100 + r.below(200)) * MIB) as usize, 256)
+            .unwrap();
+        a.deallocate(t).unwrap();
+        for (_, x) in even {
+            a.deallocate(x).unwrap();
+        }
+        if step >= steps - 20 {
+            last_calls += calls(&dev) - before;
+        }
+    }
+    let s = a.stats();
+    let elapsed_ns = (steps * step_us * 1000) as f64;
+    assert!(s.num_page_moves > 0, "the job moved pages at first");
+    assert!(s.num_move_stops >= 1, "moves stopped");
+    let one_move_ns = 300.0 * 90_000.0 / 2.0; // 300 MiB of 2 MiB pages at 90 µs each
+    assert!(
+        (s.page_move_ns as f64) <= 0.01 * elapsed_ns + 0.01e9 + one_move_ns,
+        "moves took {} ms of {} ms",
+        s.page_move_ns as f64 / 1e6,
+        elapsed_ns / 1e6
+    );
+    assert_eq!(last_calls, 0, "driver calls in the last 20 steps");
+    assert_eq!(s.allocated_bytes.all.current, 0);
+}
+
+/// Memory pressure flips the trade: with moves stopped by the time budget, an allocation
+/// that growing would push past the memory budget moves free pages instead (whatever the time
+/// costs), and does not fail.
+#[test]
+fn memory_pressure_moves_pages_whatever_the_time_budget() {
+    let (a, _dev) =
+        Device::simulated(1 << 40, Config::parse("memory_limit_mb:1400").unwrap()).unwrap();
+    // the clock stands still: a first move (x's 400 MiB of pages to z) overdraws the budget
+    let x = a.allocate(S, (400 * MIB) as usize, 256).unwrap();
+    let y = a.allocate(S, (300 * MIB) as usize, 256).unwrap();
+    a.deallocate(x).unwrap();
+    let z = a.allocate(S, (500 * MIB) as usize, 256).unwrap();
+    let s = a.stats();
+    assert!(s.num_page_moves >= 1 && s.num_move_stops == 1, "{s:?}");
+    assert_eq!(s.num_pressure_moves, 0);
+    // y's pages are free and mapped, below z; 800 MiB fit in no free block: growing would
+    // reserve 1600 MiB, past the budget, so pages move although moves are stopped
+    a.deallocate(y).unwrap();
+    let w = a.allocate(S, (800 * MIB) as usize, 256).unwrap();
+    let s = a.stats();
+    assert!(s.num_pressure_moves >= 1, "{s:?}");
+    assert_eq!(s.num_ooms, 0);
+    assert!(s.reserved_bytes.all.peak <= 1400 * MIB);
+    a.deallocate(z).unwrap();
+    a.deallocate(w).unwrap();
+}

@@ -2,13 +2,18 @@
 //! model and the shapes), replayed through the default policy on a simulated device whose GPU
 //! runs behind the host by a drawn number of allocator calls (none, 300, 3000).
 //!
-//! Issue 13's target is peak reserved within 2% of peak live bytes on every draw, and no driver
-//! calls per step once a periodic job has warmed up. Not every family meets it yet: each test
-//! asserts the bound measured when it was written (so a regression fails CI) and prints how
-//! many draws are above 1.02; the kinds that meet the target assert it.
+//! Every draw keeps page moves within their time budget (`pool/budget.rs`): the moves' time
+//! on the replay's clock (the trace's times, 50 µs an event, plus the modelled driver calls) is
+//! at most 1% of the trace's wall time plus the budget's cap and the longest move. Memory: each
+//! test asserts the worst ratio measured when it was written (so a regression fails CI) and
+//! prints how many draws are above 1.02.
 
 use gpumem::trace::synthetic::Kind;
 use gpumem::trace::{replay_simulated, SIM_CAPACITY};
+
+#[path = "common/budget.rs"]
+mod budget;
+use budget::assert_within_budget;
 use gpumem::Config;
 
 const DRAWS: u64 = 50;
@@ -40,6 +45,7 @@ fn family_at(kind: Kind, scale: usize, bound: f64) {
         .unwrap();
         let ratio = r.report.ratio;
         assert!(ratio >= 1.0, "{} seed {seed}: {ratio}", kind.name());
+        assert_within_budget(&format!("{} seed {seed}", kind.name()), &events, &r.report);
         if ratio > worst.0 {
             worst = (ratio, seed);
         }
@@ -71,7 +77,7 @@ fn fixed_shape_training() {
 
 #[test]
 fn variable_sequence_length() {
-    family(Kind::VariableSeqLen, TARGET);
+    family(Kind::VariableSeqLen, BOUND_VARLEN);
 }
 
 #[test]
@@ -81,7 +87,7 @@ fn mixture_of_experts() {
 
 #[test]
 fn kv_cache_decoding() {
-    family(Kind::KvCacheDecode, TARGET);
+    family(Kind::KvCacheDecode, BOUND_KV);
 }
 
 #[test]
@@ -91,7 +97,7 @@ fn serving_loop() {
 
 #[test]
 fn tiny_next_to_huge() {
-    family(Kind::MixedTinyHuge, TARGET);
+    family(Kind::MixedTinyHuge, BOUND_TINY_HUGE);
 }
 
 #[test]
@@ -99,11 +105,10 @@ fn several_streams() {
     family(Kind::MultiStream, BOUND_MULTI_STREAM);
 }
 
-/// Several streams over 16 steps (as `scripts/bench_torch.py` runs them) rather than 4: past
-/// the first steps, streams taking turns share their free blocks and every draw is within 2%.
+/// Several streams over 16 steps (as `scripts/bench_torch.py` runs them) rather than 4.
 #[test]
 fn several_streams_over_sixteen_steps() {
-    family_at(Kind::MultiStream, 4, TARGET);
+    family_at(Kind::MultiStream, 4, BOUND_MULTI_STREAM_16);
 }
 
 #[test]
@@ -116,24 +121,25 @@ fn convnet_variable_resolution() {
     family(Kind::ConvVariableResolution, BOUND_CONV_RES);
 }
 
-// Bounds measured on this code (worst of 50 draws, rounded up): the issue's 1.02 is not met by
-// these families yet (draws above it: fixed shape 3, MoE 2, serving 10, several streams 1,
-// convnet 4, variable resolution 2; most with a lagging GPU). Several streams: another
-// stream's free pages move in the allocating stream's order once it waits for the other's
-// newest checkpoint (1.309 and 33 draws above 1.02 before, when they moved only once known
-// idle), and a stream that would have to move pages takes another stream's free mapped block
-// instead (`pool/lending.rs`). Half of its draws queue each stream's step in turn (as one host
-// thread does); with those draws and lending switched off (a test build), 0 draws were above 1.02 in 4 steps
-// (worst 1.017) but 4 in 16 steps (worst 1.032) and 2.6 to 4.4 times the driver calls in the
-// second half of the traces; with lending one draw of 4 steps is above (seed 40, 1.054: lent
-// blocks split other streams' free space in the first steps), none of 16 steps.
-const BOUND_FIXED_SHAPE: f64 = 1.06;
-
-const BOUND_MOE: f64 = 1.04;
-const BOUND_SERVING: f64 = 1.055;
-const BOUND_MULTI_STREAM: f64 = 1.055;
+// Bounds measured on this code (worst of 50 draws, rounded up). Since page moves are paid
+// from a 1% time budget (`pool/budget.rs`), a job whose layout drifts moves pages in its
+// first steps and then maps and keeps, as PyTorch's expandable segments do: the issue 13 bound
+// of 1.02 is given up for the time (issue 31: speed is the constraint, memory the objective).
+// Against gpumem's own classic segments (PyTorch's native policy) and map-and-keep
+// (`expandable_slack:0.9`, no moves) on 20 draws each, the budgeted policy is below both on
+// MoE, KV decoding, serving, tiny-next-to-huge and the convnets, and above map-and-keep on 7
+// fixed-shape draws (by up to 0.045) and 5 variable-length ones (up to 0.054): pages moved in
+// the first steps leave a layout that keeping covers less tightly than one never moved.
+const BOUND_FIXED_SHAPE: f64 = 1.28;
+const BOUND_VARLEN: f64 = 1.23;
+const BOUND_MOE: f64 = 1.075;
+const BOUND_KV: f64 = 1.04;
+const BOUND_SERVING: f64 = 1.075;
+const BOUND_TINY_HUGE: f64 = 1.39;
+const BOUND_MULTI_STREAM: f64 = 1.33;
+const BOUND_MULTI_STREAM_16: f64 = 1.46;
 const BOUND_CONV: f64 = 1.035;
-const BOUND_CONV_RES: f64 = 1.03;
+const BOUND_CONV_RES: f64 = 1.06;
 
 /// Driver calls in the last step of a periodic job (the calls of `n + 1` steps minus those of
 /// `n` steps, same seed), with and without GPU lag, as the page engine makes them (creates,
@@ -168,15 +174,9 @@ fn periodic_jobs_driver_calls_per_step_in_steady_state() {
     );
 }
 
-/// Measured on this code: the issue's target (0) is not met yet: 39 of 60 runs make driver
-/// calls in step 6, at most 494 (page-level calls of the engine; 48 runs and 1477 before
-/// allocations were placed where they went last time and pages moved home first, see
-/// `pool/recall.rs`; 148 with recall from the second step on, before recall waited for a
-/// window of allocations that mostly repeat, which the serving trace needed). The pool keeps reserved within 0.2% of the peak, so pages keep moving
-/// between the step's phases; an address whose memory is live elsewhere when it is needed
-/// again still costs an unmap and a map. Since stale mappings (addresses whose memory did
-/// not come back twice in a row) are unmapped off the allocating thread (`page_map`), 40
-/// runs call, at most 520: in the first steps a few addresses are unmapped in the background
-/// and mapped again before their memory comes home; the allocating thread's share of the
-/// calls fell (modelled critical path of MoE's second half 63 -> 29 ms at level 0).
-const BOUND_STEADY_CALLS: u64 = 520;
+/// Measured on this code: 6 of 60 runs make driver calls in step 6, at most 119 (40 runs and
+/// 520 before page moves were paid from a time budget: moves of a job that repeats now
+/// overdraw it in the first steps and stop, and the pool maps and keeps). The runs that still
+/// call are steps whose peak of allocated bytes grew within the last second of the replay's
+/// clock (moves go on there, within the credit) or that map pages past the high-water mark.
+const BOUND_STEADY_CALLS: u64 = 119;

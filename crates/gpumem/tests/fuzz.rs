@@ -11,6 +11,9 @@ use gpumem::Config;
 use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+#[path = "common/data.rs"]
+mod common_data;
+
 fn iters() -> usize {
     std::env::var("GPUMEM_FUZZ_ITERS")
         .ok()
@@ -168,11 +171,7 @@ fn fuzz_trace_gzip() {
 #[test]
 fn fuzz_trace_pickle() {
     let mut r = SplitMix::new(seed() ^ 2);
-    let base = std::fs::read(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/torch_tiny_train.pickle"
-    ))
-    .unwrap();
+    let base = std::fs::read(common_data::data("torch_tiny_train.pickle")).unwrap();
     let n = iters() / 2;
     for i in 0..n {
         let input = mutate(&mut r, &base);

@@ -2,6 +2,8 @@
 //! `cargo test -p gpumem --test gpu -- --ignored` (or the gpu-bundle's `run`).
 #![cfg(feature = "cuda")]
 
+#[path = "common/data.rs"]
+mod common_data;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use gpumem::resource::{StreamOps, VmmCalls};
 use gpumem::Device;
@@ -567,10 +569,7 @@ fn a_free_block_is_lent_to_another_stream_after_its_running_kernel() {
 #[ignore = "needs a CUDA GPU"]
 fn replay_on_the_gpu_agrees_with_the_simulation() {
     let _g = gpu();
-    // the bundle's run script says where the data is on the GPU machine
-    let dir = std::env::var("GPUMEM_TEST_DATA")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data").to_string());
-    let path = std::path::Path::new(&dir).join("resnet50_train.jsonl.gz");
+    let path = common_data::data("resnet50_train.jsonl.gz");
     let events = gpumem::trace::read_trace(&path).unwrap();
     for conf in ["", "expandable_segments:False"] {
         let config = Config::parse(conf).unwrap();

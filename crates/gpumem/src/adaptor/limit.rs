@@ -175,6 +175,11 @@ impl VirtualMemory for Limit {
     fn calls(&self) -> VmmCalls {
         self.inner_vmm().map(|v| v.calls()).unwrap_or_default()
     }
+
+    fn now_ns(&self) -> u64 {
+        self.inner_vmm()
+            .map_or_else(|_| crate::resource::monotonic_ns(), |v| v.now_ns())
+    }
 }
 
 forward_stream_ops!(Limit, |s| s.inner);

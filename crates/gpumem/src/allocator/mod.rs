@@ -434,8 +434,6 @@ impl CachingAllocator {
         self.private_stats(&mut total);
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
         total.num_pressure_releases = self.inner.pressure.releases.load(Ordering::Relaxed);
-        total.expandable_slack_level =
-            u64::from(self.inner.shared.churn_level.load(Ordering::Relaxed));
         total.host_alloc_ns = self.inner.alloc_ns.load(Ordering::Relaxed);
         total.host_free_ns = self.inner.free_ns.load(Ordering::Relaxed);
         if let Some(v) = self.inner.backend.virtual_memory() {

@@ -259,7 +259,7 @@ pub const KEYS: &[Key] = &[
     Key {
         name: "expandable_slack",
         value: "0 ≤ s < 1",
-        meaning: "pages kept mapped beyond the peak of allocated bytes (a fraction of it) before free pages are moved instead of new ones mapped; grows by itself when pages keep moving after warm-up",
+        meaning: "pages mapped beyond the peak of allocated bytes (a fraction of it) before free pages are moved instead of new ones mapped (moves also wait until reserved bytes would pass their high-water mark, and are paid from a 1% time budget)",
         set: |c, v| {
             c.pool.expandable_slack = fraction(v, |f| (0.0..1.0).contains(&f), "[0, 1)")?;
             Ok(())
@@ -291,16 +291,6 @@ pub const KEYS: &[Key] = &[
             Ok(())
         },
         get: |c| show_bool(c.pool.time_calls),
-    },
-    Key {
-        name: "expandable_move_budget",
-        value: "0 ≤ b < 1",
-        meaning: "share of wall time page moves may take before the slack grows (0 = no limit, the default)",
-        set: |c, v| {
-            c.pool.expandable_move_budget = fraction(v, |f| (0.0..1.0).contains(&f), "[0, 1)")?;
-            Ok(())
-        },
-        get: |c| c.pool.expandable_move_budget.to_string(),
     },
     Key {
         name: "pressure_release",

@@ -113,11 +113,6 @@ pub struct PoolConfig {
     /// Mapped bytes allowed beyond the peak of allocated bytes (a fraction of it) before free
     /// pages are unmapped and reused rather than new ones mapped.
     pub expandable_slack: f64,
-    /// Share of wall time page moves may take before the slack grows; 0 = no limit (the
-    /// default: in real PyTorch runs on an H100 the budget reacted to the moves of the first
-    /// steps, and the higher slack it left behind made more moves per step later, not fewer,
-    /// and a higher peak; the count of moves still raises the slack where sizes never settle).
-    pub expandable_move_budget: f64,
     /// Release the cache when the device's free memory (every process counted) falls below
     /// this fraction of its total and another process's use has grown; 0 = never.
     pub pressure_release: f64,
@@ -138,7 +133,6 @@ impl Default for PoolConfig {
             cross_stream_reuse: true,
             expandable_segments: true,
             expandable_slack: 0.002,
-            expandable_move_budget: 0.0,
             pressure_release: 0.05,
             pressure_interval_ms: 100,
             time_calls: false,

@@ -63,19 +63,6 @@ impl CachingPool {
             },
         };
         self.split(id, size);
-        if self.churn.tick(
-            self.peak_allocated,
-            self.policy.move_budget,
-            self.recall.repeats(),
-        ) {
-            let level = self.churn.level;
-            let shared = &self.shared.churn_level;
-            if shared.fetch_max(level, Ordering::Relaxed) > level {
-                // a step down (from this pool's last level; another pool's higher one stays)
-                let _ =
-                    shared.compare_exchange(level + 1, level, Ordering::Relaxed, Ordering::Relaxed);
-            }
-        }
         match self.ensure_mapped(id, stream, recalled) {
             Ok(0) => {
                 self.stats.cache_hits += 1;
@@ -95,15 +82,12 @@ impl CachingPool {
         }
     }
 
-    /// Bytes the pool may map with `peak` as the peak of allocated bytes: the peak plus the
-    /// slack at the churn level reached.
+    /// Bytes the pool may map before it would rather move pages than grow, with `peak` as the
+    /// peak of allocated bytes: its high-water mark of reserved bytes (below it, mapping
+    /// costs no memory the job has not had before), and at least the peak plus the slack.
     fn allowance(&self, peak: u64) -> u64 {
-        let level = self
-            .churn
-            .level
-            .max(self.shared.churn_level.load(Ordering::Relaxed));
-        let slack = self.policy.slack * f64::from(1u32 << level);
-        (peak as f64 * (1.0 + slack)) as u64
+        self.high_water
+            .max((peak as f64 * (1.0 + self.policy.slack)) as u64)
     }
 
     /// Whether placing `size` bytes in `found` (taken; `None`: a new segment) would move pages:
@@ -224,29 +208,47 @@ impl CachingPool {
             return Ok(0);
         }
         self.peak_allocated = self.peak_allocated.max(self.stats.allocated() + size);
-        let allowance = self.allowance(self.peak_allocated);
+        let peak = self.peak_allocated;
         let reserved = self.stats.reserved();
-        let moving = reserved + need > allowance;
-        let started = Instant::now();
-        if moving {
-            self.churn.moves += 1;
+        let over = reserved
+            .saturating_add(need)
+            .saturating_sub(self.allowance(peak));
+        let started = self.vmm()?.now_ns();
+        // beyond the allowance, pages move: where growing would pass the memory budget
+        // (whatever the time costs), or within the time budget (see `budget.rs`); otherwise
+        // the pool grows, as PyTorch's expandable segments do
+        let pressure = over > 0 && self.over_limit(need);
+        let budgeted = over > 0 && !pressure && self.budget.may_move(started, peak);
+        let mut moved = false;
+        if pressure || budgeted {
+            moved = true;
             self.stats.num_page_moves += 1;
-            let want = reserved + need - allowance;
+            self.stats.num_pressure_moves += u64::from(pressure);
             // a recalled placement (a job that repeats) moves its pages home first
             let got = if recalled {
-                self.move_homes(stream, base, &runs, want)
+                self.move_homes(stream, base, &runs, over)
             } else {
                 0
             };
             // no waiting here: pages not yet known idle stay, new ones are mapped
-            if got < want {
-                self.reclaim_pages(Some(stream), want - got, false);
+            if got < over {
+                self.reclaim_pages(Some(stream), over - got, false);
             }
         }
+        let mut result = Ok(need);
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
             // memory this stream's moved pages left is taken first
             let mut r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
+            if matches!(&r, Err(e) if e.is_out_of_memory()) {
+                // the device is short of memory: move free pages here, whatever the time
+                // budget, before releasing the cache (which waits for the GPU)
+                self.stats.num_pressure_moves += 1;
+                moved = true;
+                if self.reclaim_pages(Some(stream), bytes, false) > 0 {
+                    r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                }
+            }
             if matches!(&r, Err(e) if e.is_out_of_memory()) {
                 self.stats.num_alloc_retries += 1;
                 self.release_cached();
@@ -260,26 +262,32 @@ impl CachingPool {
             match r {
                 Ok(()) => self.note_mapped(seg, first, n, true),
                 Err(e) => {
-                    if moving {
-                        let _ = self.vmm().map(|v| v.finish_move(stream));
-                    }
-                    return Err(if e.is_out_of_memory() {
+                    result = Err(if e.is_out_of_memory() {
                         self.oom_error(size, need)
                     } else {
                         e
                     });
+                    break;
                 }
             }
         }
-        if moving {
+        if moved {
             let _ = self.vmm().map(|v| v.finish_move(stream));
         }
-        let took = started.elapsed().as_nanos() as u64;
+        let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
-        if moving {
-            self.churn.move_ns += took;
+        if budgeted {
+            self.budget.charge(took);
         }
-        Ok(need)
+        result
+    }
+
+    /// Whether mapping `need` more bytes would pass the memory budget (`memory_fraction`,
+    /// `memory_limit_mb`, `set_per_process_memory_fraction`), all shards counted.
+    fn over_limit(&self, need: u64) -> bool {
+        self.backend
+            .limit()
+            .is_some_and(|l| self.shared.reserved.load(Ordering::Relaxed) + need > l)
     }
 
     /// Record that pages `[first, first + n)` of `seg` were mapped (`on`) or unmapped.
@@ -304,6 +312,7 @@ impl CachingPool {
         );
         if on {
             self.stats.reserved_bytes.inc(kind, bytes);
+            self.high_water = self.high_water.max(self.stats.reserved());
             self.stats.num_device_alloc += 1;
             self.stats.mapped_bytes += bytes;
             let now = self.shared.reserved.fetch_add(bytes, Ordering::Relaxed) + bytes;
@@ -784,113 +793,5 @@ impl Pages {
             p = (w as u64 + 1) * 64;
         }
         to
-    }
-}
-
-/// Page moves per window of allocations. Moving pages costs driver calls (up to ~50 µs per
-/// page on an H100 where the memory must be mapped afresh, none where it still lingers at the
-/// address: see `resource::page_map`) and sometimes a wait; a workload whose sizes never
-/// settle (random sizes, say) would move pages on a good share of its allocations. Each window
-/// of [`Churn::WINDOW`] allocations in which more than [`Churn::HIGH`] moved pages (and the
-/// peak of allocated bytes did not grow by more than 1%), or in which moving pages took more
-/// than `expandable_move_budget` of the wall time (off by default: in real PyTorch runs it
-/// reacted to the first steps' moves and left a slack that made more moves per step, not
-/// fewer), doubles the slack, up to 2^[`Churn::MAX_LEVEL`] times the configured one (where the
-/// pool is practically PyTorch's expandable segments: pages are mapped as it grows and kept).
-/// Past the first level, the count of moves doubles the slack again only if the last doubling
-/// at least halved the moves, or if pages move on more than an eighth of the allocations: a
-/// real MoE job (tokens per expert drawn each step) moved pages ~40 times a step at every
-/// level up to 3 and climbed to level 5 (1.063 of its peak) for a few moves fewer.
-/// What the time budget raised, [`Churn::QUIET`] quiet windows in a row (few moves, within
-/// budget) halve again, so a job whose moves got cheap returns to a tighter slack;
-/// `empty_cache` starts over. Workloads that repeat (training steps) or grow slowly (decoding)
-/// stay at the configured slack.
-#[derive(Debug, Default)]
-pub(super) struct Churn {
-    pub(super) allocs: u32,
-    pub(super) moves: u32,
-    pub(super) level: u32,
-    /// peak allocated bytes when the window started
-    pub(super) peak: u64,
-    /// when the window started
-    pub(super) start: Option<Instant>,
-    /// time spent moving pages in this window
-    pub(super) move_ns: u64,
-    /// windows in a row with few moves that took little time
-    pub(super) quiet: u32,
-    /// the level moves' count raised (sizes that never settle); it stays
-    pub(super) count_level: u32,
-    /// the level moves' time raised (beyond the budget); quiet windows lower it
-    pub(super) cost_level: u32,
-    /// moves in the window that last raised `count_level`
-    pub(super) raised_at: u32,
-}
-
-impl Churn {
-    pub(super) const WINDOW: u32 = 1024;
-    pub(super) const HIGH: u32 = 16;
-    pub(super) const MAX_LEVEL: u32 = 8;
-    pub(super) const QUIET: u32 = 4;
-
-    /// Count one allocation; true when the level changed. `budget`: the share of wall time
-    /// moves may take (0 = no limit). `repeating`: the job's allocations repeat (layout
-    /// recall is finding them), so its moves are the layout settling into place and do not
-    /// raise the level (which would turn recall off and leave the moves for good).
-    #[inline]
-    pub(super) fn tick(&mut self, peak_allocated: u64, budget: f64, repeating: bool) -> bool {
-        self.allocs += 1;
-        let before = self.level;
-        if self.allocs >= Self::WINDOW {
-            // moves while the peak grows are the pool filling up (a first training step), not
-            // churn
-            let grew = peak_allocated > self.peak + self.peak / 100;
-            let now = Instant::now();
-            let wall = self
-                .start
-                .map_or(0, |s| now.duration_since(s).as_nanos() as u64);
-            let allowed = budget * wall as f64;
-            // (a move that maps while the peak grows pays mostly for the growth, which any
-            // pool pays)
-            let costly = budget > 0.0 && self.move_ns as f64 > allowed && !grew;
-            if costly {
-                // moves that took k times their budget double the slack about log2(k) times
-                // at once, so a job reaches its level in one window instead of paying for
-                // several
-                let over = (self.move_ns as f64 / allowed.max(1.0))
-                    .log2()
-                    .ceil()
-                    .max(1.0) as u32;
-                self.cost_level = (self.cost_level + over).min(Self::MAX_LEVEL);
-                self.quiet = 0;
-            } else if self.moves > Self::HIGH && !grew && !repeating {
-                // the slack doubles only while doubling it at least halved the moves (sizes
-                // that vary within a bound, as MoE's tokens per expert, keep moving pages at
-                // any slack short of the bound, and moves are cheap), or while pages move on
-                // more than an eighth of the allocations
-                let helped = self.count_level == 0
-                    || self.moves <= self.raised_at / 2
-                    || self.moves > Self::WINDOW / 8;
-                if helped {
-                    self.count_level = (self.count_level + 1).min(Self::MAX_LEVEL);
-                    self.raised_at = self.moves;
-                }
-            } else if self.cost_level > 0 && self.moves <= Self::HIGH {
-                // moves may have got cheaper (the page engine reuses memory that lingers
-                // where it is mapped again): after a few quiet windows, try a lower level (a
-                // costly window sends it back up)
-                self.quiet += 1;
-                if self.quiet >= Self::QUIET {
-                    self.cost_level -= 1;
-                    self.quiet = 0;
-                }
-            }
-            self.level = self.count_level.max(self.cost_level);
-            self.allocs = 0;
-            self.moves = 0;
-            self.move_ns = 0;
-            self.start = Some(now);
-            self.peak = peak_allocated;
-        }
-        self.level != before
     }
 }

@@ -3,7 +3,7 @@
 //! Each stream has its own expandable segments, as in PyTorch. When two streams take turns
 //! (one queues its step, then the other), each needs memory while the other's lies free, so
 //! keeping the physical memory near the peak of allocated bytes moves pages between their
-//! segments on every step: driver calls, and a slack raised by the churn they count. Instead,
+//! segments on every step: driver calls paid from the time budget of moves. Instead,
 //! a stream that would have to move pages takes a free block of another stream's segment whose
 //! pages are all mapped, after waiting on the GPU for that stream's checkpoint event that
 //! covers the block's last free (as `cudaMallocAsync` reuses memory across streams through

@@ -32,6 +32,7 @@
 
 mod arena;
 mod batch;
+mod budget;
 mod checkpoint;
 mod classic;
 mod events;
@@ -50,8 +51,9 @@ pub mod summary;
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::resource::{unsupported, Backend, DevPtr, Event, Stream, VirtualMemory};
+pub use budget::{CAP_NS as MOVE_BUDGET_CAP_NS, SHARE as MOVE_BUDGET_SHARE};
 pub use checkpoint::{BlockLayout, Layout, Restored, SegmentLayout};
-use expandable::{Churn, Pages};
+use expandable::Pages;
 use free_index::FreeIndex;
 use record::{Action, Recorder};
 use rustc_hash::FxHashMap;
@@ -141,8 +143,6 @@ pub struct SharedCounters {
     pub reserved: AtomicU64,
     /// peak of `reserved`
     pub peak_reserved: AtomicU64,
-    /// highest page-churn level of any shard (see `Churn`): shards share what one learnt
-    pub churn_level: std::sync::atomic::AtomicU32,
     /// CUDA-graph captures under way on the device: while any is, the pool asks the backend
     /// whether a stream is capturing before it records an event there
     pub captures: std::sync::atomic::AtomicU32,
@@ -219,7 +219,6 @@ struct Policy {
     /// page size of expandable segments; `None` = classic segments
     page: Option<u64>,
     slack: f64,
-    move_budget: f64,
 }
 
 /// One shard of the caching allocator. Not thread-safe by itself: the allocator puts each
@@ -255,8 +254,11 @@ pub struct CachingPool {
     checkpoints: Vec<events::StreamCheckpoints>,
     /// free ticks up to this one are idle on every stream (after a device synchronisation)
     device_safe: u64,
-    /// how often pages are being moved, which scales the slack
-    churn: Churn,
+    /// the time budget of page moves
+    budget: budget::MoveBudget,
+    /// highest reserved bytes of this pool since its cache was last released (expandable
+    /// segments: below it, pages are mapped rather than moved)
+    high_water: u64,
     /// blocks of another stream's expandable segment handed out, with the stream using them
     lent: FxHashMap<u32, Stream>,
     /// free blocks with parts last used by other streams than their own (lent blocks given
@@ -312,7 +314,6 @@ impl CachingPool {
                 cross_stream: config.pool.cross_stream_reuse,
                 page,
                 slack: config.pool.expandable_slack,
-                move_budget: config.pool.expandable_move_budget,
             },
             shared,
             capacity,
@@ -334,7 +335,8 @@ impl CachingPool {
             peak_allocated: 0,
             checkpoints: Vec::new(),
             device_safe: 0,
-            churn: Churn::default(),
+            budget: Default::default(),
+            high_water: 0,
             lent: FxHashMap::default(),
             foreign: FxHashMap::default(),
             cross_waited: Vec::new(),
@@ -357,7 +359,11 @@ impl CachingPool {
 
     /// Current statistics of this pool.
     pub fn stats(&self) -> Stats {
-        self.stats.snapshot()
+        let mut s = self.stats.snapshot();
+        s.page_move_ns = self.budget.spent_ns;
+        s.page_move_longest_ns = self.budget.longest_ns;
+        s.num_move_stops = self.budget.stops;
+        s
     }
 
     /// Set every peak statistic to its current value.

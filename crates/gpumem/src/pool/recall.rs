@@ -7,11 +7,8 @@
 //! that names each allocation of a step; in a job whose sizes vary it rarely matches, and
 //! placement is best fit as before. A recalled placement that needs pages moves home first
 //! the free pages whose memory lingers where it maps (`move_homes` in `expandable.rs`), so
-//! that a step's page moves come to cost no driver call. Recall is on while pages seldom move
-//! (churn level 0), and with several streams only where no page has to move. The moves of a
-//! job that repeats do not raise the level (`Churn::tick`): they are the layout settling, and
-//! a raised level would stop recall and leave them for good (ResNet-50 on the H100 reached
-//! level 1 in its fourth step and kept ~90 driver calls a step; kept at level 0, ~52).
+//! that a step's page moves come to cost no driver call. Recall is on while pages may move
+//! (see `budget.rs`), and with several streams only where no page has to move.
 
 use super::*;
 use std::hash::{Hash, Hasher};
@@ -68,13 +65,6 @@ impl Recall {
         hint.filter(|_| self.repeats)
     }
 
-    /// Whether the job repeats (see [`Recall::hint`]): its page moves are the layout settling
-    /// into place, not sizes that never settle.
-    #[inline]
-    pub(super) fn repeats(&self) -> bool {
-        self.repeats
-    }
-
     #[inline]
     pub(super) fn remember(&mut self, ctx: u64, addr: DevPtr) {
         if self.hints.len() >= MAX_HINTS {
@@ -89,12 +79,12 @@ impl Recall {
 }
 
 impl CachingPool {
-    /// Whether placements are recalled: while pages seldom move (churn level 0). Where sizes
-    /// keep changing the level rises, and a recalled placement that needs pages mapped would
-    /// only add moves (a convnet job on the H100 reached a higher level with it).
+    /// Whether placements are recalled: while pages may move (see `budget.rs`). Once moves
+    /// have stopped, a recalled placement that needs pages mapped would only grow the pool
+    /// where best fit finds mapped memory.
     #[inline]
     pub(super) fn settled(&self) -> bool {
-        self.churn.level == 0 && self.shared.churn_level.load(Ordering::Relaxed) == 0
+        !self.budget.stopped()
     }
 
     /// The hinted block, if it waits in the quick cache with this size and stream; taken out.

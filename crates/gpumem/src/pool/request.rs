@@ -330,9 +330,8 @@ impl CachingPool {
 
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
-        self.churn = Churn::default();
+        self.budget.restart();
         self.recall.clear();
-        self.shared.churn_level.store(0, Ordering::Relaxed);
         self.flush_quick();
         self.process_events();
         let mut bytes = self.reclaim_pages(None, u64::MAX, true);
@@ -348,6 +347,8 @@ impl CachingPool {
             }
             self.release_segment(seg);
         }
+        // what was given back is not mapped again without need
+        self.high_water = self.stats.reserved();
         bytes
     }
 

@@ -129,8 +129,19 @@ pub struct Stats {
     /// page moved home costs no driver call)
     pub num_homes: u64,
     /// allocations that moved pages (mapped beyond the allowance, so free pages elsewhere were
-    /// unmapped first): what the churn level counts
+    /// unmapped first)
     pub num_page_moves: u64,
+    /// of those, moves made because growing would pass the memory budget or the device was
+    /// out of memory (made whatever the time budget; their time is in `page_map_ns`)
+    pub num_pressure_moves: u64,
+    /// nanoseconds charged to the time budget of page moves (see `pool/budget.rs`): over
+    /// any interval T, at most 1% of T + 10 ms + the longest move
+    pub page_move_ns: u64,
+    /// the longest single move charged, ns
+    pub page_move_longest_ns: u64,
+    /// times page moves stopped because they overdrew the time budget (the pool then maps
+    /// and keeps until the job's demand changes)
+    pub num_move_stops: u64,
     /// nanoseconds the allocating threads spent mapping pages (moves included): what page
     /// work costs the job where it waits
     pub page_map_ns: u64,
@@ -139,9 +150,6 @@ pub struct Stats {
     pub vmm_calls_foreground: u64,
     /// virtual-memory driver calls on the backend's own thread (unmapping, releasing)
     pub vmm_calls_background: u64,
-    /// the page-churn level the pool reached (0 = the configured `expandable_slack`; each
-    /// level doubles it: moves were too many or took too long), filled in by the allocator
-    pub expandable_slack_level: u64,
     /// times the backend waited for a stream's work before mapping over an address whose
     /// pages moved in stream order (or for its own thread's unmapping)
     pub vmm_waits: u64,
@@ -268,6 +276,10 @@ impl Stats {
         self.num_recalled += o.num_recalled;
         self.num_homes += o.num_homes;
         self.num_page_moves += o.num_page_moves;
+        self.num_pressure_moves += o.num_pressure_moves;
+        self.page_move_ns += o.page_move_ns;
+        self.page_move_longest_ns = self.page_move_longest_ns.max(o.page_move_longest_ns);
+        self.num_move_stops += o.num_move_stops;
         self.page_map_ns += o.page_map_ns;
     }
 
@@ -409,6 +421,7 @@ pub(crate) struct HotStats {
     pub(crate) num_recalled: u64,
     pub(crate) num_homes: u64,
     pub(crate) num_page_moves: u64,
+    pub(crate) num_pressure_moves: u64,
     pub(crate) page_map_ns: u64,
 }
 
@@ -581,6 +594,7 @@ impl HotStats {
             num_recalled: self.num_recalled,
             num_homes: self.num_homes,
             num_page_moves: self.num_page_moves,
+            num_pressure_moves: self.num_pressure_moves,
             page_map_ns: self.page_map_ns,
             ..Stats::default()
         }

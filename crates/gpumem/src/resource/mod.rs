@@ -228,6 +228,21 @@ pub trait VirtualMemory: Send + Sync {
     fn calls(&self) -> VmmCalls {
         VmmCalls::default()
     }
+    /// Nanoseconds on the clock that page work is measured and budgeted against: by default
+    /// monotonic wall time, so a call's duration is its own, measured; a simulated device
+    /// keeps a clock of its own (the trace's time plus what its calls would have cost).
+    fn now_ns(&self) -> u64 {
+        monotonic_ns()
+    }
+}
+
+/// Nanoseconds of monotonic wall time since the first call in this process.
+pub fn monotonic_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_nanos() as u64
 }
 
 /// Driver calls a [`VirtualMemory`] resource made, by where they ran and by kind.

@@ -4,6 +4,7 @@
 use super::{Action, TraceEvent};
 use crate::config::Config;
 use crate::error::{Error, Result};
+pub use crate::resource::sim::CostModel;
 use crate::resource::sim::SimulatedDevice;
 use crate::resource::{Backend, Stream, VmmCalls};
 use crate::{Allocation, CachingAllocator};
@@ -44,60 +45,17 @@ pub struct PolicyReport {
     /// `critical_path_us` as a share of the trace's own wall time (its first to last
     /// `time_us`); `None` where the trace has no times
     pub critical_path_share: Option<f64>,
+    /// time charged to the time budget of page moves (`pool/budget.rs`; on the simulator,
+    /// the modelled calls' time), µs: the part of `critical_path_us` the policy chose to spend
+    pub move_us: f64,
+    /// the longest single move of those, µs
+    pub move_longest_us: f64,
     /// the page engine's calls by kind (expandable segments; `None` otherwise)
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vmm_calls: Option<VmmCalls>,
 }
 
-/// What the driver calls an allocator makes cost, for replays, which run none of them for real.
-/// The page calls' defaults were measured on the H100 with `scripts/probes/vmm_gpu_cost.cu`
-/// while the GPU ran kernels (as it does when a training job allocates): setting access and
-/// unmapping cost per mapping, however many one call covers (10 handles of 2 MiB: 438 µs to
-/// set access, 438 µs to unmap; one handle of 20 MiB: 57 µs and 51 µs; idle, 304/193 and
-/// 30/20 µs). The cuMemAlloc figures come from `vmm_micro`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct CostModel {
-    /// cuMemCreate of one page, µs
-    pub create_us: f64,
-    /// cuMemMap of one page, µs
-    pub map_us: f64,
-    /// cuMemSetAccess, per page it gives access to (one call per mapped run; its cost grows
-    /// with the mappings it covers), µs
-    pub set_access_us: f64,
-    /// cuMemUnmap of one page, µs; charged to the allocating thread wherever it runs: the
-    /// driver serialises page calls, so the page worker's unmapping lands on the allocating
-    /// thread's calls (measured with `vmm_micro` on the H100)
-    pub unmap_us: f64,
-    /// cuMemRelease of one page (off the allocating thread), µs
-    pub release_us: f64,
-    /// recording the event a move in stream order waits for (cuEventRecord), µs
-    pub record_us: f64,
-    /// cuMemAlloc or cuMemFree of a classic segment: a fixed part, µs ...
-    pub segment_us: f64,
-    /// ... and a part per MiB
-    pub segment_us_per_mib: f64,
-    /// a host wait for a stream or the device (or, before unmapping an address whose pages
-    /// moved in stream order, for that stream's work): the allocating thread stalls until the
-    /// GPU has caught up, which a trace does not record; this many µs each
-    pub sync_stall_us: f64,
-}
-
-impl Default for CostModel {
-    fn default() -> Self {
-        Self {
-            create_us: 13.5,
-            map_us: 1.6,
-            set_access_us: 44.0,
-            unmap_us: 44.0,
-            release_us: 14.0,
-            record_us: 2.0,
-            segment_us: 30.0,
-            segment_us_per_mib: 0.5,
-            sync_stall_us: 1000.0,
-        }
-    }
-}
-
+/// What a replay's driver work cost, from the pool's statistics and the page engine's calls.
 impl CostModel {
     /// (allocating thread, background) µs of the driver work in `stats`, with the page
     /// engine's calls `vmm` where the pool had expandable segments.
@@ -105,13 +63,7 @@ impl CostModel {
         let stalls = stats.num_unmap_syncs as f64 * self.sync_stall_us;
         match vmm {
             Some(c) => {
-                let fg = c.creates as f64 * self.create_us
-                    + c.maps as f64 * self.map_us
-                    + c.maps as f64 * self.set_access_us
-                    + (c.unmaps - c.unmaps_background) as f64 * self.unmap_us
-                    + c.records as f64 * self.record_us
-                    + c.waits as f64 * self.sync_stall_us
-                    + stalls;
+                let fg = self.vmm_foreground_us(c) + stalls;
                 let bg = c.releases as f64 * self.release_us
                     + c.unmaps_background as f64 * self.unmap_us;
                 (fg, bg)
@@ -172,6 +124,8 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         largest_free_block_at_peak: 0,
         ns_per_event: 0.0,
         critical_path_us: 0.0,
+        move_us: 0.0,
+        move_longest_us: 0.0,
         background_us: 0.0,
         vmm_calls: None,
         critical_path_share: None,
@@ -221,8 +175,9 @@ pub fn replay(
     Ok(replay_simulated(name, events, config, capacity, None)?.report)
 }
 
-/// [`replay`] with every figure, on a simulated device whose GPU runs `lag` allocator calls
-/// behind the host (see [`SimulatedDevice::set_lag`]): with `None` every event has completed
+/// [`replay`] with every figure, on a simulated device whose clock follows the trace's
+/// `time_us` (plus what the modelled driver calls cost: the time budget of page moves runs on
+/// it) and whose GPU runs `lag` allocator calls behind the host (see [`SimulatedDevice::set_lag`]): with `None` every event has completed
 /// by the next call, as if kernels took no time; with `Some(u64::MAX)` none completes until
 /// the pool synchronises. A real job lies in between: the host queues a training step's
 /// kernels well before the GPU has run them, so the pages its frees leave are not known idle
@@ -239,12 +194,13 @@ pub fn replay_simulated(
         if let Some(n) = lag {
             sim.set_lag(n);
         }
-        let tick: Box<dyn Fn()> = if lag.is_some() {
-            let s = sim.clone();
-            Box::new(move || s.advance())
-        } else {
-            Box::new(|| {})
-        };
+        let s = sim.clone();
+        let tick: Box<dyn Fn(u64)> = Box::new(move |us| {
+            s.set_time_us(us);
+            if lag.is_some() {
+                s.advance();
+            }
+        });
         Ok((sim as Arc<dyn Backend>, tick))
     };
     replay_passes(name, events, config, &make, &Stream)
@@ -272,12 +228,13 @@ pub fn replay_detailed(
     backend: &dyn Fn() -> Result<Arc<dyn Backend>>,
     stream: &dyn Fn(u64) -> Stream,
 ) -> Result<Replay> {
-    let make = || Ok((backend()?, Box::new(|| {}) as Box<dyn Fn()>));
+    let make = || Ok((backend()?, Box::new(|_| {}) as Box<dyn Fn(u64)>));
     replay_passes(name, events, config, &make, stream)
 }
 
-/// A backend for one replay pass and what advances its clock by one allocator call.
-type Pass = (Arc<dyn Backend>, Box<dyn Fn()>);
+/// A backend for one replay pass and what advances its clock to an allocator call at the
+/// given `time_us`.
+type Pass = (Arc<dyn Backend>, Box<dyn Fn(u64)>);
 
 fn replay_passes(
     name: &str,
@@ -371,6 +328,8 @@ fn replay_passes(
             device_calls,
             unmap_syncs: stats.num_unmap_syncs + stats.vmm_waits,
             critical_path_us: fg_us,
+            move_us: stats.page_move_ns as f64 / 1e3,
+            move_longest_us: stats.page_move_longest_ns as f64 / 1e3,
             background_us: bg_us,
             critical_path_share: wall_us(events).map(|w| fg_us / w),
             vmm_calls: vmm,
@@ -394,10 +353,6 @@ fn run(
 ) -> Result<(u64, crate::Stats, String, Option<VmmCalls>)> {
     let mut config = config.clone();
     config.shards = Some(1);
-    // a replay has no kernels, hence no clock to hold page moves against (a time budget a
-    // configuration asks for is ignored): it shows where moving pages takes the memory (see
-    // `expandable_move_budget`)
-    config.pool.expandable_move_budget = 0.0;
     let backend_name = backend.name().to_string();
     let alloc = CachingAllocator::new(backend.clone(), config)?;
     let mut live: FxHashMap<u64, Allocation> = FxHashMap::default();
@@ -405,7 +360,7 @@ fn run(
     let mut result = Ok(());
     for (i, e) in events.iter().enumerate().take(stop.saturating_add(1)) {
         if matches!(e.action, Action::Alloc | Action::FreeCompleted) {
-            tick();
+            tick(e.time_us);
         }
         match e.action {
             Action::Alloc => {

@@ -1,0 +1,168 @@
+//! The time budget of page moves (expandable segments).
+//!
+//! Moving a page (unmapping free memory in one place to map it where a block needs it, instead
+//! of growing) keeps reserved memory down, but its driver calls run on the allocating thread
+//! (about 45 µs a page on an H100 while kernels run) and a job whose layout drifts from step to
+//! step pays them on every step. So moves are paid from a budget of [`SHARE`] of wall time,
+//! by construction:
+//!
+//! - credit accrues at [`SHARE`] of the time that passes on the backend's clock (wall time on a
+//!   GPU; a replay's clock is the trace's time plus its modelled calls), up to [`CAP_NS`];
+//! - a move is made only while there is credit, and its measured duration is charged;
+//! - a move that overdraws the credit stops moves: from then on the pool maps and keeps (as
+//!   PyTorch's expandable segments do), except while the job's demand changes (for
+//!   [`GROWING_NS`] after its peak of allocated bytes last grew, as the credit allows), until
+//!   the cache is emptied. A job that repeats stops its moves once and for all, so the pool
+//!   does not swing between the two and its steps make no driver call; a job that keeps
+//!   growing (a KV cache) moves as the credit allows; one whose moves are cheap (they never
+//!   overdraw) goes on moving within the budget.
+//!
+//! Over any interval of T ns, moves take at most `SHARE * T + CAP_NS` plus the last move
+//! (one allocation's pages: about what growing by as much would have cost). Growth
+//! beyond the high-water mark is not a move and is not charged (any allocator pays for
+//! memory it has never had); moves made because growing would pass the memory budget are not
+//! charged either: then fitting is the job (`num_pressure_moves` counts them, and their time
+//! is in `page_map_ns`).
+
+/// Share of wall time page moves may take.
+pub const SHARE: f64 = 0.01;
+/// The most credit that can accrue: [`SHARE`] of one second.
+pub const CAP_NS: f64 = SHARE * 1e9;
+/// Once stopped, moves go on only this long after the job's peak of allocated bytes last grew.
+pub const GROWING_NS: u64 = 1_000_000_000;
+
+/// Credit for page moves, and whether they are stopped.
+#[derive(Debug, Clone)]
+pub(super) struct MoveBudget {
+    /// ns of moves still allowed (negative: overdrawn)
+    credit: f64,
+    /// clock reading of the last accrual
+    last: Option<u64>,
+    /// a move overdrew the credit
+    stopped: bool,
+    /// the highest peak of allocated bytes seen, and the clock reading when it last grew
+    peak: u64,
+    grew_at: u64,
+    /// ns charged so far
+    pub(super) spent_ns: u64,
+    /// the longest single move charged, ns
+    pub(super) longest_ns: u64,
+    /// times moves stopped
+    pub(super) stops: u64,
+}
+
+impl Default for MoveBudget {
+    fn default() -> Self {
+        Self {
+            credit: CAP_NS,
+            last: None,
+            stopped: false,
+            peak: 0,
+            grew_at: 0,
+            spent_ns: 0,
+            longest_ns: 0,
+            stops: 0,
+        }
+    }
+}
+
+impl MoveBudget {
+    /// Whether a move may be made now (`now`: the backend's clock; `peak`: the peak of
+    /// allocated bytes).
+    pub(super) fn may_move(&mut self, now: u64, peak: u64) -> bool {
+        self.accrue(now);
+        if peak > self.peak {
+            self.peak = peak;
+            self.grew_at = now;
+        }
+        if self.stopped && !self.growing(now) {
+            return false; // stopped, and the demand has not changed lately
+        }
+        self.credit > 0.0
+    }
+
+    /// Charge a move that took `ns`; an overdraft stops moves.
+    pub(super) fn charge(&mut self, ns: u64) {
+        self.credit -= ns as f64;
+        self.spent_ns += ns;
+        self.longest_ns = self.longest_ns.max(ns);
+        if self.credit <= 0.0 && !self.stopped {
+            self.stopped = true;
+            self.stops += 1;
+        }
+    }
+
+    /// Whether moves are stopped (beyond the job's growth).
+    pub(super) fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Moves allowed again (the cache was emptied); the credit and counts stay.
+    pub(super) fn restart(&mut self) {
+        self.stopped = false;
+    }
+
+    /// Whether the job's peak of allocated bytes grew within the last [`GROWING_NS`].
+    fn growing(&self, now: u64) -> bool {
+        now.saturating_sub(self.grew_at) <= GROWING_NS
+    }
+
+    fn accrue(&mut self, now: u64) {
+        if let Some(last) = self.last {
+            let dt = now.saturating_sub(last) as f64;
+            self.credit = (self.credit + SHARE * dt).min(CAP_NS);
+        }
+        self.last = Some(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moves_stop_on_an_overdraft_and_go_on_only_while_demand_grows() {
+        let sec = 1_000_000_000u64;
+        let mut b = MoveBudget::default();
+        assert!(b.may_move(0, 100));
+        b.charge(CAP_NS as u64 / 2);
+        assert!(b.may_move(0, 100) && !b.stopped());
+        b.charge(CAP_NS as u64);
+        assert!(b.stopped());
+        // (still within a second of the peak's growth: moves as the credit allows)
+        assert!(!b.may_move(sec / 2, 100));
+        // credit comes back with time, moves do not while the peak stays
+        assert!(!b.may_move(10 * sec, 100));
+        assert!(!b.may_move(20 * sec, 100));
+        // a new peak of allocated bytes: moves again, with the credit accrued, for a while
+        assert!(b.may_move(20 * sec, 101));
+        assert!(b.may_move(20 * sec + GROWING_NS, 101));
+        assert!(!b.may_move(21 * sec + GROWING_NS, 101));
+        assert_eq!(b.stops, 1);
+        // and never beyond the credit
+        assert!(b.may_move(30 * sec, 102));
+        b.charge(2 * CAP_NS as u64);
+        assert!(!b.may_move(30 * sec, 200));
+        assert!(b.may_move(30 * sec + 2 * (CAP_NS / SHARE) as u64, 201));
+        assert_eq!(b.stops, 1);
+    }
+
+    #[test]
+    fn over_any_interval_moves_take_at_most_the_share_plus_the_cap() {
+        // a job that would move all the time: 50 µs moves, one every 100 µs
+        let mut b = MoveBudget::default();
+        let (mut t, mut spent, mut restarts) = (0u64, 0u64, 0);
+        for _ in 0..1_000_000 {
+            t += 100_000;
+            if b.may_move(t, 100) {
+                b.charge(50_000);
+                spent += 50_000;
+            }
+            if b.stopped() && restarts < 3 {
+                b.restart(); // an emptied cache starts moves again
+                restarts += 1;
+            }
+        }
+        assert!(spent as f64 <= SHARE * t as f64 + 4.0 * (CAP_NS + 50_000.0));
+    }
+}
