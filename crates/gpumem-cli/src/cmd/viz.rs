@@ -2,7 +2,10 @@
 //!
 //! - a memory timeline: the biggest allocations stacked as bands in the order they were made
 //!   (as in PyTorch's memory_viz), the rest of the live bytes above them, gpumem's reserved bytes
-//!   and the recording allocator's reserved bytes as lines;
+//!   and the recording allocator's reserved bytes as lines. Each column draws the envelope of
+//!   the events it covers (the highest live bytes, with the bands as they were at that moment,
+//!   and the highest reserved bytes of each line), so the drawn maxima are the figures in the
+//!   table; the peaks are marked, and the trace's time runs under the event axis;
 //! - a segment map at gpumem's reserved peak: every segment (for expandable segments, the
 //!   mapped pages) with its blocks, coloured by use: requested bytes, rounding, free (cached or
 //!   fragmented).
@@ -37,9 +40,10 @@ pub fn write(trace: &Path, output: &Path, conf: Option<&str>) -> Result<()> {
     // --conf, else GPUMEM_CONF, else the default policy
     let config = crate::output::config_from(conf)?;
     let name = conf.unwrap_or("gpumem");
-    let make = || Ok(gpumem::trace::simulated(gpumem::trace::SIM_CAPACITY));
-    let replay = gpumem::trace::replay_detailed(name, &events, &config, &make, &gpumem::Stream)
-        .map_err(|e| format!("{}: {e}", trace.display()))?;
+    // (on the simulator with the trace's clock, as `gpumem replay` does)
+    let replay =
+        gpumem::trace::replay_simulated(name, &events, &config, gpumem::trace::SIM_CAPACITY, None)
+            .map_err(|e| format!("{}: {e}", trace.display()))?;
     let html = render(&trace.display().to_string(), &events, &replay);
     std::fs::write(output, html).map_err(|e| format!("{}: {e}", output.display()))?;
     eprintln!(
@@ -101,17 +105,8 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
     }
     let n = replay.timeline.len().max(1);
     let report = &replay.report;
-    let ymax = replay
-        .timeline
-        .iter()
-        .map(|t| t.2.max(t.1))
-        .chain(recorded.iter().copied())
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64
-        * 1.05;
-    let x = |i: usize| 60.0 + (i as f64 / n as f64) * (W - 80.0);
-    let y = |b: u64| 20.0 + (H - 60.0) * (1.0 - b as f64 / ymax);
+    let scale = Scale::new(&replay.timeline, &recorded);
+    let (x, y) = (|i: usize| scale.x(i), |b: u64| scale.y(b));
 
     // bands: the biggest allocations live when live bytes peaked (what the peak is made of),
     // then the biggest others
@@ -119,7 +114,7 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
         .timeline
         .iter()
         .enumerate()
-        .max_by_key(|(_, t)| t.1)
+        .max_by_key(|(i, t)| (t.1, std::cmp::Reverse(*i)))
         .map_or(0, |(i, _)| i);
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| {
@@ -133,29 +128,36 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
     for &i in order.iter().take(BANDS) {
         banded[i] = true;
     }
-    // at each column: the banded allocations live, stacked in allocation order
+    // each column covers the events since the previous one and draws their envelope: the
+    // highest live bytes (the bands as they were at that event) and each line's highest
+    // reserved bytes
     let cols: Vec<usize> = (0..=COLUMNS).map(|c| c * (n - 1) / COLUMNS).collect();
     let mut edges: Vec<Vec<(usize, u64, u64)>> = vec![Vec::new(); lives.len()];
     let mut other_top = Vec::with_capacity(cols.len());
-    for (c, &t) in cols.iter().enumerate() {
+    let (mut ours_top, mut rec_top) = (Vec::with_capacity(cols.len()), Vec::new());
+    for (c, &end) in cols.iter().enumerate() {
+        let r = (if c == 0 { 0 } else { cols[c - 1] + 1 }).min(end)..=end;
+        let at = r
+            .clone()
+            .max_by_key(|&i| (replay.timeline[i].1, std::cmp::Reverse(i)))
+            .unwrap_or(end);
         let mut base = 0u64;
         for (i, l) in lives.iter().enumerate() {
-            if l.start > t {
+            if l.start > at {
                 break;
             }
-            if banded[i] && l.end > t {
+            if banded[i] && l.end > at {
                 edges[i].push((c, base, base + l.size));
                 base += l.size;
             }
         }
-        // the highest live bytes since the previous column, so that no peak is lost
-        let from = if c == 0 { 0 } else { cols[c - 1] + 1 };
-        let live = replay.timeline[from.min(t)..=t]
-            .iter()
-            .map(|p| p.1)
-            .max()
-            .unwrap_or(0);
-        other_top.push((base, live.max(base)));
+        other_top.push((base, replay.timeline[at].1.max(base)));
+        ours_top.push(r.clone().map(|i| replay.timeline[i].2).max().unwrap_or(0));
+        rec_top.push(
+            r.map(|i| recorded.get(i).copied().unwrap_or(0))
+                .max()
+                .unwrap_or(0),
+        );
     }
     let cx = |c: usize| x(cols[c]);
 
@@ -165,9 +167,9 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
         r##"<svg width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11">"##
     );
     // axes and grid: round byte ticks, and round event ticks along the bottom
-    let ystep = nice_step(ymax as u64, 6, &BYTE_UNITS);
+    let ystep = nice_step(scale.ymax as u64, 6, &BYTE_UNITS);
     let mut b = 0u64;
-    while (b as f64) <= ymax {
+    while (b as f64) <= scale.ymax {
         let yy = y(b);
         let _ = write!(
             svg,
@@ -183,6 +185,15 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
         b += ystep;
     }
     let xstep = nice_step(n as u64, 10, &COUNT_UNITS);
+    // (events with no time read 0)
+    let t0 = replay
+        .timeline
+        .iter()
+        .map(|t| t.0)
+        .filter(|&t| t > 0)
+        .min()
+        .unwrap_or(0);
+    let timed = replay.timeline.last().is_some_and(|t| t.0 > t0);
     let mut i = 0u64;
     while i <= n as u64 {
         let xx = x(i as usize);
@@ -194,6 +205,20 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
             H - 26.0,
             count_label(i)
         );
+        // the trace's own time at that event, where it has times
+        if let Some(t) = replay
+            .timeline
+            .get(i as usize)
+            .map(|t| t.0)
+            .filter(|&t| timed && t > 0)
+        {
+            let _ = write!(
+                svg,
+                r##"<text x="{xx:.1}" y="{:.1}" text-anchor="middle" fill="#666">{}</text>"##,
+                H - 15.0,
+                time_label(t.saturating_sub(t0))
+            );
+        }
         i += xstep;
     }
     // "other" live bytes above the bands
@@ -228,44 +253,78 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
             lives[i].start
         );
     }
-    // reserved lines
-    let step = (n / (COLUMNS * 2)).max(1);
-    let line = |vals: &mut dyn Iterator<Item = (usize, u64)>| {
+    // reserved lines: each column's highest reserved bytes
+    let line = |tops: &[u64]| {
         let mut d = String::new();
-        for (i, v) in vals {
+        for (c, &v) in tops.iter().enumerate() {
             let _ = write!(
                 d,
                 "{}{:.1},{:.1}",
                 if d.is_empty() { "M" } else { " L" },
-                x(i),
+                cx(c),
                 y(v)
             );
         }
         d
     };
     let rec = if recorded.iter().any(|&r| r > 0) {
-        line(&mut recorded.iter().copied().enumerate().step_by(step))
+        line(&rec_top)
     } else {
         String::new() // no recording allocator in the trace: no line
     };
-    let ours = line(
-        &mut replay
-            .timeline
-            .iter()
-            .map(|t| t.2)
-            .enumerate()
-            .step_by(step),
-    );
+    let ours = line(&ours_top);
     let _ = write!(
         svg,
         r##"<path d="{ours}" fill="none" stroke="#1f3fbf" stroke-width="3.5"><title>{}: reserved</title></path><path d="{rec}" fill="none" stroke="#d62728" stroke-width="1.6" stroke-dasharray="6,4"><title>recorded allocator: reserved</title></path>"##,
         esc(&report.name)
     );
+    // the peaks: live bytes, and gpumem's reserved bytes
+    let reserved_at = replay
+        .timeline
+        .iter()
+        .enumerate()
+        .max_by_key(|(i, t)| (t.2, std::cmp::Reverse(*i)))
+        .map_or(0, |(i, _)| i);
+    for (at, bytes, what, colour, dy) in [
+        (
+            peak_at,
+            replay.timeline.get(peak_at).map_or(0, |t| t.1),
+            "peak live",
+            "#333",
+            0.0,
+        ),
+        (
+            reserved_at,
+            report.peak_reserved_bytes,
+            "peak reserved",
+            "#1f3fbf",
+            12.0,
+        ),
+    ] {
+        let c = cols.partition_point(|&e| e < at).min(cols.len() - 1);
+        let (xx, yy) = (cx(c), y(bytes));
+        let when = replay
+            .timeline
+            .get(at)
+            .filter(|_| timed)
+            .map_or(String::new(), |t| {
+                format!(", {}", time_label(t.0.saturating_sub(t0)))
+            });
+        let _ = write!(
+            svg,
+            r##"<line class="peak" x1="{xx:.1}" x2="{xx:.1}" y1="{yy:.1}" y2="{:.1}" stroke="{colour}" stroke-dasharray="2,2"/><circle cx="{xx:.1}" cy="{yy:.1}" r="3" fill="{colour}"/><text x="{:.1}" y="{:.1}" fill="{colour}" text-anchor="{}">{what} {} at event {at}{when}</text>"##,
+            H - 40.0,
+            if xx > W / 2.0 { xx - 6.0 } else { xx + 6.0 },
+            yy - 6.0 - dy,
+            if xx > W / 2.0 { "end" } else { "start" },
+            human(bytes)
+        );
+    }
     let _ = write!(
         svg,
-        r##"<text x="{}" y="{}" text-anchor="middle">allocator events: allocations and frees, in trace order →</text></svg>"##,
+        r##"<text x="{}" y="{}" text-anchor="middle">allocator events: allocations and frees, in trace order (the trace's time below) →</text></svg>"##,
         W / 2.0,
-        H - 12.0
+        H - 2.0
     );
 
     let recorded_report = gpumem::trace::recorded(events);
@@ -465,6 +524,48 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
     out
 }
 
+/// The timeline's coordinates: event `i` of `n` across, bytes up to `ymax` (5% above the
+/// highest live or reserved bytes) up.
+struct Scale {
+    n: usize,
+    ymax: f64,
+}
+
+impl Scale {
+    fn new(timeline: &[(u64, u64, u64)], recorded: &[u64]) -> Self {
+        let ymax = timeline
+            .iter()
+            .map(|t| t.2.max(t.1))
+            .chain(recorded.iter().copied())
+            .max()
+            .unwrap_or(1)
+            .max(1) as f64
+            * 1.05;
+        Scale {
+            n: timeline.len().max(1),
+            ymax,
+        }
+    }
+
+    fn x(&self, i: usize) -> f64 {
+        60.0 + (i as f64 / self.n as f64) * (W - 80.0)
+    }
+
+    fn y(&self, b: u64) -> f64 {
+        20.0 + (H - 60.0) * (1.0 - b as f64 / self.ymax)
+    }
+}
+
+/// Microseconds as a time label: 850 µs, 12.5 ms, 3.2 s, 41 s.
+fn time_label(us: u64) -> String {
+    match us {
+        0..1_000 => format!("{us} µs"),
+        1_000..1_000_000 => format!("{:.1} ms", us as f64 / 1e3),
+        1_000_000..100_000_000 => format!("{:.1} s", us as f64 / 1e6),
+        _ => format!("{:.0} s", us as f64 / 1e6),
+    }
+}
+
 /// Byte units for axis steps.
 const BYTE_UNITS: [u64; 5] = [1, 1 << 10, 1 << 20, 1 << 30, 1 << 40];
 /// Count units for axis steps.
@@ -496,4 +597,92 @@ fn count_label(n: u64) -> String {
 
 fn overlap(a: u64, n: u64, b: u64, m: u64) -> u64 {
     (a + n).min(b + m).saturating_sub(a.max(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpumem::trace::TraceEvent;
+
+    /// The y coordinates of an SVG element's points (`points="x,y ..."` or `d="Mx,y Lx,y"`)
+    /// that follows `marker` in `svg`.
+    fn ys_after(svg: &str, marker: &str, attr: &str) -> Vec<f64> {
+        let at = svg.find(marker).expect(marker);
+        // the element holding the marker (its title): back to the shape's opening tag
+        let start = ["<path", "<polygon"]
+            .iter()
+            .filter_map(|t| svg[..at].rfind(t))
+            .max()
+            .unwrap();
+        let el = &svg[start..];
+        let a = el.find(&format!("{attr}=\"")).unwrap() + attr.len() + 2;
+        let b = a + el[a..].find('"').unwrap();
+        el[a..b]
+            .split([' ', 'M', 'L'])
+            .filter_map(|p| p.split_once(','))
+            .map(|(_, y)| y.trim().parse().unwrap())
+            .collect()
+    }
+
+    /// A trace of 20,000 events whose live and reserved peaks (a 5 GiB spike, allocated and
+    /// freed with its segment at once) fall between two of the 480 columns' sampled events:
+    /// the drawn maxima of live bytes, gpumem's reserved bytes and the recording allocator's
+    /// reserved bytes match the reported peaks within one pixel, and the peak is marked.
+    #[test]
+    fn the_drawn_maxima_are_the_reported_peaks() {
+        const MIB: u64 = 1 << 20;
+        let mut ev = Vec::new();
+        let mut t = 0;
+        let mut push = |ev: &mut Vec<TraceEvent>, a, addr, size| {
+            t += 10;
+            ev.push(TraceEvent::new(a, addr, size, 0, t));
+        };
+        push(&mut ev, Action::SegmentAlloc, 1 << 40, 64 * MIB);
+        for i in 0..10_000u64 {
+            let addr = (1 << 40) + (i % 8) * 4 * MIB;
+            push(&mut ev, Action::Alloc, addr, 4 * MIB);
+            push(&mut ev, Action::FreeCompleted, addr, 4 * MIB);
+            if i == 5_003 {
+                // (event 10,007: not one of the columns' events, 41.67 apart)
+                let big = 1 << 42;
+                push(&mut ev, Action::SegmentAlloc, big, 5 << 30);
+                push(&mut ev, Action::Alloc, big, 5 << 30);
+                push(&mut ev, Action::FreeCompleted, big, 5 << 30);
+                push(&mut ev, Action::SegmentFree, big, 5 << 30);
+            }
+        }
+        let cfg =
+            gpumem::Config::parse("expandable_segments:False,garbage_collection_threshold:0.5")
+                .unwrap();
+        let replay = gpumem::trace::replay_simulated("gpumem", &ev, &cfg, 1 << 40, None).unwrap();
+        let html = render("spike", &ev, &replay);
+        let rec = gpumem::trace::recorded(&ev);
+        let (live, reserved) = (rec.peak_live_bytes, replay.report.peak_reserved_bytes);
+        assert!(live >= 5 << 30 && rec.peak_reserved_bytes > 5 << 30);
+        let mut recorded = Vec::new();
+        let mut r = 0u64;
+        for e in &ev {
+            match e.action {
+                Action::SegmentAlloc => r += e.size,
+                Action::SegmentFree => r -= e.size,
+                Action::Alloc | Action::FreeCompleted => recorded.push(r),
+                _ => {}
+            }
+        }
+        let scale = Scale::new(&replay.timeline, &recorded);
+        let top = |ys: Vec<f64>| ys.into_iter().fold(f64::INFINITY, f64::min);
+        let drawn_live = top(ys_after(&html, "<title>smaller allocations", "points"));
+        let drawn_ours = top(ys_after(&html, ": reserved</title>", "d"));
+        let drawn_rec = top(ys_after(&html, "recorded allocator: reserved</title>", "d"));
+        assert!(
+            (drawn_live - scale.y(live)).abs() <= 1.0,
+            "{drawn_live} {}",
+            scale.y(live)
+        );
+        assert!((drawn_ours - scale.y(reserved)).abs() <= 1.0);
+        assert!((drawn_rec - scale.y(rec.peak_reserved_bytes)).abs() <= 1.0);
+        assert!(html.contains("peak live 5.00 GiB at event"), "peak marked");
+        // the trace's time runs under the events
+        assert!(html.contains(" ms</text>"));
+    }
 }
