@@ -243,9 +243,9 @@ impl CachingPool {
             if matches!(&r, Err(e) if e.is_out_of_memory()) {
                 // the device is short of memory: move free pages here, whatever the time
                 // budget, before releasing the cache (which waits for the GPU)
-                self.stats.num_pressure_moves += 1;
                 moved = true;
                 if self.reclaim_pages(Some(stream), bytes, false) > 0 {
+                    self.stats.num_pressure_moves += 1;
                     r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
                 }
             }
