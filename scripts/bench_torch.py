@@ -152,6 +152,18 @@ def run_gptfix(torch, steps, L=12, D=1024, H=16, V=32000, B=8, T=1024):
         yield loss
 
 
+def image_step(torch, m, opt, g, batch, hw):
+    """One training step of image classifier `m` on a random batch of `hw` x `hw` images."""
+    x = torch.randn(batch, 3, hw, hw, generator=g).cuda()
+    y = torch.randint(0, 1000, (batch,), generator=g).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(m(x).float(), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def run_vit(torch, steps, batch=32):
     import torchvision
 
@@ -159,14 +171,7 @@ def run_vit(torch, steps, batch=32):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(10)
     for _ in range(steps):
-        x = torch.randn(batch, 3, 224, 224, generator=g).cuda()
-        y = torch.randint(0, 1000, (batch,), generator=g).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        yield loss
+        yield image_step(torch, m, opt, g, batch, 224)
 
 
 def run_streams(torch, steps):
@@ -216,14 +221,7 @@ def run_resnet(torch, steps, sizes=None, batch=64):
     g = torch.Generator().manual_seed(3)
     for _ in range(steps):
         hw = 224 if sizes is None else sizes[int(torch.randint(0, len(sizes), (1,), generator=g))]
-        x = torch.randn(batch, 3, hw, hw, generator=g).cuda()
-        y = torch.randint(0, 1000, (batch,), generator=g).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        yield loss
+        yield image_step(torch, m, opt, g, batch, hw)
 
 
 def lm_weights(torch, L, D, seed=0):

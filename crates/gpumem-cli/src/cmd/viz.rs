@@ -110,12 +110,7 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
 
     // bands: the biggest allocations live when live bytes peaked (what the peak is made of),
     // then the biggest others
-    let peak_at = replay
-        .timeline
-        .iter()
-        .enumerate()
-        .max_by_key(|(i, t)| (t.1, std::cmp::Reverse(*i)))
-        .map_or(0, |(i, _)| i);
+    let peak_at = first_max(0..=n - 1, |i| replay.timeline.get(i).map_or(0, |t| t.1));
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| {
         let l = &lives[i];
@@ -137,10 +132,7 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
     let (mut ours_top, mut rec_top) = (Vec::with_capacity(cols.len()), Vec::new());
     for (c, &end) in cols.iter().enumerate() {
         let r = (if c == 0 { 0 } else { cols[c - 1] + 1 }).min(end)..=end;
-        let at = r
-            .clone()
-            .max_by_key(|&i| (replay.timeline[i].1, std::cmp::Reverse(i)))
-            .unwrap_or(end);
+        let at = first_max(r.clone(), |i| replay.timeline[i].1);
         let mut base = 0u64;
         for (i, l) in lives.iter().enumerate() {
             if l.start > at {
@@ -279,12 +271,7 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
         esc(&report.name)
     );
     // the peaks: live bytes, and gpumem's reserved bytes
-    let reserved_at = replay
-        .timeline
-        .iter()
-        .enumerate()
-        .max_by_key(|(i, t)| (t.2, std::cmp::Reverse(*i)))
-        .map_or(0, |(i, _)| i);
+    let reserved_at = first_max(0..=n - 1, |i| replay.timeline.get(i).map_or(0, |t| t.2));
     for (at, bytes, what, colour, dy) in [
         (
             peak_at,
@@ -554,6 +541,14 @@ impl Scale {
     fn y(&self, b: u64) -> f64 {
         20.0 + (H - 60.0) * (1.0 - b as f64 / self.ymax)
     }
+}
+
+/// The first index of `range` where `value` is highest (the range's start if it is empty).
+fn first_max(range: std::ops::RangeInclusive<usize>, value: impl Fn(usize) -> u64) -> usize {
+    let start = *range.start();
+    range
+        .max_by_key(|&i| (value(i), std::cmp::Reverse(i)))
+        .unwrap_or(start)
 }
 
 /// Microseconds as a time label: 850 µs, 12.5 ms, 3.2 s, 41 s.
