@@ -17,7 +17,7 @@
 //!   growing (a KV cache) moves as the credit allows; one whose moves are cheap (they never
 //!   overdraw) goes on moving within the budget.
 //!
-//! Over any interval of T ns, moves take at most `SHARE * T + CAP_NS` plus the last move
+//! Over any interval of T ns, moves take at most `SHARE * T + CAP_NS` plus the longest move
 //! (one allocation's pages: about what growing by as much would have cost). Growth
 //! beyond the high-water mark is not a move and is not charged (any allocator pays for
 //! memory it has never had); moves made because growing would pass the memory budget are not

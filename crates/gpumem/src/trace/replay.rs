@@ -177,7 +177,8 @@ pub fn replay(
 
 /// [`replay`] with every figure, on a simulated device whose clock follows the trace's
 /// `time_us` (plus what the modelled driver calls cost: the time budget of page moves runs on
-/// it) and whose GPU runs `lag` allocator calls behind the host (see [`SimulatedDevice::set_lag`]): with `None` every event has completed
+/// it) and whose GPU runs `lag` allocator calls behind the host
+/// (see [`SimulatedDevice::set_lag`]): with `None` every event has completed
 /// by the next call, as if kernels took no time; with `Some(u64::MAX)` none completes until
 /// the pool synchronises. A real job lies in between: the host queues a training step's
 /// kernels well before the GPU has run them, so the pages its frees leave are not known idle
