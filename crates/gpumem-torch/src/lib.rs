@@ -456,7 +456,8 @@ pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
 
 /// The segments of `device` for `torch.cuda.memory._snapshot()`, as a flat array of u64:
 /// per segment `address, total_size, stream, is_large, is_expandable, block count`, then per
-/// block `size, requested_size, allocated, active`. An expandable segment is reported as one
+/// block `size, requested_size, allocated, active`. The shared pool's segments only (a private
+/// pool's: `gpumem_pool_segments_flat`). An expandable segment is reported as one
 /// segment per mapped run of pages (what it holds in memory), its blocks clipped to the run.
 /// Writes at most `cap` values into `out` and returns how many the whole answer needs (call
 /// again with that much room); 0 where the device cannot be used.
@@ -466,7 +467,7 @@ pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_segments_flat(device: c_int, out: *mut u64, cap: usize) -> usize {
     let flat = guard(Vec::new(), || {
-        made_allocator(device).map_or_else(Vec::new, |a| segments_flat(&a.segments()))
+        made_allocator(device).map_or_else(Vec::new, |a| segments_flat(&a.shared_segments()))
     });
     if !out.is_null() {
         let n = flat.len().min(cap);
@@ -530,19 +531,24 @@ static HISTORY: History = History {
 };
 
 /// Record allocator events on every device (`on` non-zero), keeping at most `max_entries` per
-/// device (0: no limit), or stop and forget them. Devices first used later record too.
+/// device (0: no limit), or stop and forget them. Devices first used later record too. A call
+/// while recording goes on keeps what was recorded unless `clear` is non-zero
+/// (`torch.cuda.memory._record_memory_history(..., clear_history=...)`).
 #[no_mangle]
-pub extern "C" fn gpumem_record_history(on: c_int, max_entries: usize) {
+pub extern "C" fn gpumem_record_history(on: c_int, max_entries: usize, clear: c_int) {
     guard((), || {
         let on = on != 0;
-        HISTORY.started.store(0, Ordering::Relaxed);
-        HISTORY.on.store(on, Ordering::Relaxed);
+        let was = HISTORY.on.swap(on, Ordering::Relaxed);
         let max = if max_entries == 0 {
             u64::MAX
         } else {
             max_entries as u64
         };
         HISTORY.max_entries.store(max, Ordering::Relaxed);
+        if on && was && clear == 0 {
+            return; // recording goes on, with the new limit
+        }
+        HISTORY.started.store(0, Ordering::Relaxed);
         if let Ok(mut h) = HISTORY.events.lock() {
             h.clear();
         }
@@ -566,10 +572,18 @@ pub extern "C" fn gpumem_history_enabled() -> c_int {
     c_int::from(HISTORY.on.load(Ordering::Relaxed))
 }
 
-/// The recorded history of `device` as a flat array of u64, five per event: action (PyTorch's
+/// Tag the events this thread records from now on (see [`gpumem::pool::record::set_record_tag`]);
+/// returns the previous tag. The C++ allocator ties PyTorch's stack traces to events with it.
+#[no_mangle]
+pub extern "C" fn gpumem_history_set_tag(tag: u64) -> u64 {
+    gpumem::pool::record::set_record_tag(tag)
+}
+
+/// The recorded history of `device` as a flat array of u64, six per event: action (PyTorch's
 /// `TraceEntry::Action` numbering: alloc 0, free_requested 1, free_completed 2, segment_alloc
 /// 3, segment_free 4, segment_map 5, segment_unmap 6, snapshot 7, oom 8), address, size,
-/// stream, microseconds since recording started. Writes at most `cap` values into `out` and
+/// stream, microseconds since recording started, the tag the recording thread had set (0:
+/// none; see [`gpumem_history_set_tag`]). Writes at most `cap` values into `out` and
 /// returns how many the whole answer needs; recording goes on.
 ///
 /// # Safety
@@ -619,7 +633,7 @@ pub fn history_flat(events: &[gpumem::trace::TraceEvent]) -> Vec<u64> {
                 Action::Snapshot => 7,
                 Action::Oom => 8,
             };
-            [action, e.addr, e.size, e.stream, e.time_us]
+            [action, e.addr, e.size, e.stream, e.time_us, e.tag]
         })
         .collect()
 }
@@ -1015,23 +1029,34 @@ mod tests {
             .any(|b| b[0] == 3072 && b[1] == 3000 && b[2] == 1 && b[3] == 1));
         gpumem_free(q, 3000, 0, s);
         // history, as torch.cuda.memory._record_memory_history and _snapshot read it
-        gpumem_record_history(1, 0);
+        gpumem_record_history(1, 0, 0);
         assert_eq!(gpumem_history_enabled(), 1);
+        // the allocation's events carry the thread's tag (a stack trace, in PyTorch)
+        assert_eq!(gpumem_history_set_tag(42), 0);
         let q = gpumem_alloc(700, 0, s);
+        assert_eq!(gpumem_history_set_tag(0), 42);
         gpumem_free(q, 700, 0, s);
         // SAFETY: as for the segments above.
         let n = unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) };
         let mut flat = vec![0u64; n];
         assert_eq!(unsafe { gpumem_history_flat(0, flat.as_mut_ptr(), n) }, n);
-        let actions: Vec<u64> = flat.chunks(5).map(|e| e[0]).collect();
+        let actions: Vec<u64> = flat.chunks(6).map(|e| e[0]).collect();
         assert_eq!(actions, [0, 1, 2], "{flat:?}");
+        let tags: Vec<u64> = flat.chunks(6).map(|e| e[5]).collect();
+        assert_eq!(tags, [42, 0, 0], "{flat:?}");
         assert_eq!((flat[1], flat[2]), (q as u64, 700));
         // kept: a second read gives the same events
         assert_eq!(
             unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) },
             n
         );
-        gpumem_record_history(0, 0);
+        // turned on again: what was recorded stays (unless cleared)
+        gpumem_record_history(1, 0, 0);
+        assert_eq!(
+            unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) },
+            n
+        );
+        gpumem_record_history(0, 0, 0);
         assert_eq!(gpumem_history_enabled(), 0);
         assert_eq!(
             unsafe { gpumem_history_flat(0, std::ptr::null_mut(), 0) },

@@ -159,6 +159,22 @@ pub unsafe extern "C" fn gpumem_pool_segments_flat(
     unsafe { copy_out(&flat, out, cap) }
 }
 
+/// The private pools of `device` that exist now, as pairs `(a, b)` flat in `out` (at most
+/// `cap` values); returns the number of values (twice the pools).
+///
+/// # Safety
+/// `out` must be null or hold `cap` writable values.
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_pool_ids(device: c_int, out: *mut u64, cap: usize) -> usize {
+    let flat = guard(Vec::new(), || {
+        made_allocator(device).map_or_else(Vec::new, |al| {
+            al.pool_ids().into_iter().flat_map(|p| [p.0, p.1]).collect()
+        })
+    });
+    // SAFETY: the caller's contract.
+    unsafe { copy_out(&flat, out, cap) }
+}
+
 /// A checkpoint of pool `(a, b)` (`getCheckpointState`), freed with
 /// [`gpumem_checkpoint_free`]; null if there is no such pool.
 #[no_mangle]

@@ -541,9 +541,10 @@ impl CachingAllocator {
     /// (`torch.cuda.set_per_process_memory_fraction`). Needs an allocator built with a budget
     /// (`memory_fraction` or `memory_limit_mb`; `memory_fraction:1` for none yet).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        // 0 is allowed, as in PyTorch: nothing more may be reserved
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidArgument(format!(
-                "memory fraction {fraction}: must be in (0, 1]"
+                "memory fraction {fraction}: must be in [0, 1]"
             )));
         }
         let Some(limit) = &self.inner.limit else {
@@ -569,11 +570,18 @@ impl CachingAllocator {
         self.shard(0).expandable()
     }
 
-    /// Every segment of every shard with its blocks (for inspection and drawing).
-    pub fn segments(&self) -> Vec<SegmentInfo> {
-        let mut all: Vec<SegmentInfo> = (0..self.inner.shards.len())
+    /// Segments of the shared pool only, every shard's (a private pool's: see
+    /// [`CachingAllocator::pool_segments`]).
+    pub fn shared_segments(&self) -> Vec<SegmentInfo> {
+        (0..self.inner.shards.len())
             .flat_map(|j| self.shard(j).segments())
-            .collect();
+            .collect()
+    }
+
+    /// Every segment of every shard and private pool with its blocks (for inspection and
+    /// drawing).
+    pub fn segments(&self) -> Vec<SegmentInfo> {
+        let mut all = self.shared_segments();
         all.extend(self.private_segments());
         all
     }

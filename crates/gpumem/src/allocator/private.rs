@@ -254,9 +254,12 @@ impl CachingAllocator {
         self.with_private(id, |p| p.pool.restore(layout))?
     }
 
-    /// Segments of pool `id`.
+    /// Segments of pool `id` (blocks whose events have completed count as free, as they are).
     pub fn pool_segments(&self, id: PoolId) -> Result<Vec<SegmentInfo>> {
-        self.with_private(id, |p| p.pool.segments())
+        self.with_private(id, |p| {
+            p.pool.process_events();
+            p.pool.segments()
+        })
     }
 
     /// Ids of the private pools that exist now.
@@ -445,6 +448,62 @@ mod tests {
         }
         a.release_pool(id).unwrap();
         assert_eq!(a.stats().allocated_bytes.all.current, 0);
+    }
+
+    #[test]
+    fn a_block_freed_but_waiting_on_events_is_free_in_a_checkpoint() {
+        // as PyTorch's checkpoints (graph trees) see it: a free whose events are outstanding
+        // (a block freed during a capture, or used by another stream) is requested, so the
+        // block is free in the saved layout, merged with its free neighbours
+        let dev = Arc::new(crate::resource::sim::SimulatedDevice::new(1 << 30));
+        let a = CachingAllocator::new(
+            dev.clone(),
+            Config::parse("expandable_segments:false").unwrap(),
+        )
+        .unwrap();
+        dev.set_auto_complete(false);
+        let id = PoolId(7, 0);
+        a.create_or_incref_pool(id).unwrap();
+        let s = Stream(1);
+        let blocks: Vec<DevPtr> = (0..11)
+            .map(|_| a.allocate_in_pool(id, s, 512, 512).unwrap())
+            .collect();
+        for (i, &p) in blocks.iter().enumerate() {
+            if i != 5 {
+                a.record_stream_ptr(p, Stream(2)).unwrap();
+                a.deallocate_ptr(p).unwrap();
+            }
+        }
+        let saved = a.pool_layout(id).unwrap();
+        let held: Vec<u64> = saved.segments[0]
+            .blocks
+            .iter()
+            .filter(|b| b.allocated)
+            .map(|b| b.addr)
+            .collect();
+        assert_eq!(held, vec![blocks[5]]);
+        assert_eq!(
+            saved.segments[0].blocks.len(),
+            3,
+            "free, the kept block, free"
+        );
+        dev.complete_events();
+        // the snapshot (PyTorch's graph trees compare it before and after) shows the same
+        // three blocks: completed frees are free, free neighbours one block
+        let shown = |a: &CachingAllocator| -> Vec<(u64, bool)> {
+            a.pool_segments(id).unwrap()[0]
+                .blocks
+                .iter()
+                .map(|b| (b.size, b.allocated))
+                .collect()
+        };
+        let before = shown(&a);
+        assert_eq!(before.len(), 3, "{before:?}");
+        let r = a.restore_pool(id, &saved).unwrap();
+        assert_eq!(r.allocated.len(), 1);
+        assert_eq!(a.pool_layout(id).unwrap(), saved);
+        assert_eq!(shown(&a), before);
+        a.check_invariants().unwrap();
     }
 
     #[test]

@@ -47,8 +47,10 @@ pub struct Restored {
 }
 
 impl CachingPool {
-    /// The layout of every segment: blocks handed out (or waiting on events) count as
-    /// allocated; neighbouring free blocks are one free range.
+    /// The layout of every segment: blocks handed out count as allocated; blocks freed and
+    /// waiting on events (freed during a capture, say) count as free, as in PyTorch's
+    /// checkpoints (restoring waits for those events first); neighbouring free blocks are one
+    /// free range.
     pub fn layout(&self) -> Layout {
         let mut segments = Vec::with_capacity(self.segment_index.len());
         for &seg in self.segment_index.values() {
@@ -57,7 +59,7 @@ impl CachingPool {
             let mut id = s.head;
             while id != NIL {
                 let b = &self.blocks[id as usize];
-                let allocated = matches!(b.state, State::Allocated | State::Pending);
+                let allocated = b.state == State::Allocated;
                 id = b.next;
                 // free neighbours (a quick-cached block beside a free one) are one free range
                 if let Some(last) = blocks

@@ -48,11 +48,19 @@ impl CachingPool {
             .values()
             .map(|&seg| {
                 let s = &self.segments[seg as usize];
-                let mut blocks = Vec::new();
+                let mut blocks: Vec<BlockInfo> = Vec::new();
                 let mut id = s.head;
                 while id != NIL {
                     let b = &self.blocks[id as usize];
                     let allocated = b.state == State::Allocated;
+                    let free = matches!(b.state, State::Free | State::Quick);
+                    // free neighbours (a quick-cached block is free, only not merged yet) are
+                    // one free block, as a program sees the pool
+                    if let Some(last) = blocks.last_mut().filter(|l| free && !l.active) {
+                        last.size += b.size;
+                        id = b.next;
+                        continue;
+                    }
                     blocks.push(BlockInfo {
                         addr: b.addr,
                         size: b.size,

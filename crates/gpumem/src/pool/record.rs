@@ -63,6 +63,21 @@ pub struct TraceEvent {
     /// line (JSON Lines) or entry (pickle) the event was read from; 0 if made in memory
     #[serde(skip)]
     pub line: u32,
+    /// the recording thread's tag when the event was recorded ([`set_record_tag`]; 0: none);
+    /// not part of trace files
+    #[serde(skip)]
+    pub tag: u64,
+}
+
+std::thread_local! {
+    static TAG: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Tag the events this thread records from now on with `tag` (0: none); returns the previous
+/// tag. A front end uses it to tie what it knows of a call (PyTorch's stack traces of an
+/// allocation, a free or `empty_cache()`) to the events the call records.
+pub fn set_record_tag(tag: u64) -> u64 {
+    TAG.with(|t| t.replace(tag))
 }
 
 impl TraceEvent {
@@ -75,6 +90,7 @@ impl TraceEvent {
             stream,
             time_us,
             line: 0,
+            tag: 0,
         }
     }
 
@@ -99,8 +115,9 @@ impl Recorder {
     #[cold]
     pub(super) fn push(&mut self, action: Action, addr: u64, size: u64, stream: Stream) {
         let ns = self.start.elapsed().as_nanos() as u64;
-        self.events
-            .push((ns, TraceEvent::new(action, addr, size, stream.0, ns / 1000)));
+        let mut e = TraceEvent::new(action, addr, size, stream.0, ns / 1000);
+        e.tag = TAG.with(|t| t.get());
+        self.events.push((ns, e));
     }
 }
 

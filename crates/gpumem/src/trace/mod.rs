@@ -150,6 +150,7 @@ pub fn read_pickle(name: &str, reader: impl Read) -> Result<Vec<TraceEvent>> {
             stream: int(d, "stream", n)?.unwrap_or(0),
             time_us: int(d, "time_us", n)?.unwrap_or(0),
             line: n as u32,
+            tag: 0,
         });
     }
     Ok(events)

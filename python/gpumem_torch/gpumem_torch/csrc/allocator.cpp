@@ -20,6 +20,9 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <deque>
+#include <type_traits>
+#include <unordered_map>
 #include <unordered_set>
 #include <csignal>
 #include <execinfo.h>
@@ -45,7 +48,8 @@ void gpumem_reset_accumulated(int device);
 int gpumem_stats_values(int device, const char* const* keys, int64_t* out, size_t n);
 uint64_t gpumem_largest_free_block(int device);
 size_t gpumem_segments_flat(int device, uint64_t* out, size_t cap);
-void gpumem_record_history(int on, size_t max_entries);
+void gpumem_record_history(int on, size_t max_entries, int clear);
+uint64_t gpumem_history_set_tag(uint64_t tag);
 int gpumem_history_enabled();
 size_t gpumem_history_flat(int device, uint64_t* out, size_t cap);
 int gpumem_pool_begin(int device, uint64_t a, uint64_t b);
@@ -58,6 +62,7 @@ void* gpumem_pool_alloc_checked(int device, uint64_t a, uint64_t b, ssize_t size
 ssize_t gpumem_pool_live(int device, uint64_t a, uint64_t b, uint64_t* out, size_t cap);
 uint64_t gpumem_pool_empty_cache(uint64_t a, uint64_t b);
 size_t gpumem_pool_segments_flat(int device, uint64_t a, uint64_t b, uint64_t* out, size_t cap);
+size_t gpumem_pool_ids(int device, uint64_t* out, size_t cap);
 void* gpumem_pool_checkpoint(int device, uint64_t a, uint64_t b);
 size_t gpumem_checkpoint_allocated(const void* ckpt);
 void gpumem_checkpoint_free(void* ckpt);
@@ -82,6 +87,81 @@ using c10::CachingDeviceAllocator::DeviceStats;
 // forbids other threads' event queries and device allocations, as PyTorch's own allocator
 // knows: it does the same around cudaMalloc).
 std::atomic<int> g_captures{0};
+// blocks from cudaMalloc while the caching allocator was disabled (see uncached_alloc)
+std::atomic<int> g_uncached{0};
+
+// Stack traces for torch.cuda.memory._record_memory_history (PyTorch's RecordContext: 0 none,
+// 1 live blocks only ("state"), 2 also allocations in the trace ("alloc"), 3 also frees and
+// emptying the cache ("all")). gpumem records the events; this side gathers the traces with
+// PyTorch's recorder and ties them to the events a call records through a tag
+// (gpumem_history_set_tag), and to the live blocks by address.
+using Ctx = std::invoke_result_t<CCA::CreateContextFn>;
+std::atomic<int> g_ctx{0};
+
+struct Contexts {
+  std::mutex mu;
+  CCA::CreateContextFn recorder = nullptr;
+  std::unordered_map<void*, Ctx> live;
+  std::unordered_map<uint64_t, Ctx> tags;
+  std::deque<uint64_t> order;
+  uint64_t next = 1;
+  size_t cap = 100000;
+};
+
+Contexts& contexts() {
+  static Contexts* c = new Contexts();  // never destroyed: traces may outlive Python's exit
+  return *c;
+}
+
+Ctx gather_context() {
+  CCA::CreateContextFn f = nullptr;
+  {
+    std::lock_guard<std::mutex> l(contexts().mu);
+    f = contexts().recorder;
+  }
+  return f ? f() : nullptr;
+}
+
+// a tag for the events of one call, remembered with its trace (the oldest go beyond the cap)
+uint64_t tag_for(const Ctx& ctx) {
+  if (!ctx) return 0;
+  auto& c = contexts();
+  std::lock_guard<std::mutex> l(c.mu);
+  uint64_t id = c.next++;
+  c.tags.emplace(id, ctx);
+  c.order.push_back(id);
+  while (c.order.size() > c.cap) {
+    c.tags.erase(c.order.front());
+    c.order.pop_front();
+  }
+  return id;
+}
+
+// the events this thread records while it lives carry `tag`
+struct TagScope {
+  explicit TagScope(uint64_t tag) : on_(tag != 0) {
+    if (on_) prev_ = gpumem_history_set_tag(tag);
+  }
+  ~TagScope() {
+    if (on_) (void)gpumem_history_set_tag(prev_);
+  }
+  TagScope(const TagScope&) = delete;
+  TagScope& operator=(const TagScope&) = delete;
+
+ private:
+  bool on_;
+  uint64_t prev_ = 0;
+};
+
+// a block is freed: its trace goes; with "all", the free's own trace tags its events
+uint64_t on_free_context(void* ptr) {
+  int mode = g_ctx.load(std::memory_order_relaxed);
+  if (ptr) {
+    std::lock_guard<std::mutex> l(contexts().mu);
+    contexts().live.erase(ptr);
+  }
+  return mode >= 3 ? tag_for(gather_context()) : 0;
+}
 
 struct RelaxedCaptureMode {
   explicit RelaxedCaptureMode(bool on) : on_(on) {
@@ -106,6 +186,11 @@ struct RelaxedCaptureMode {
 
 void gpumem_delete(void* ptr) {
   RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+  if (C10_UNLIKELY(g_ctx.load(std::memory_order_relaxed) > 0)) {
+    TagScope tag(on_free_context(ptr));
+    gpumem_free_ptr(ptr);
+    return;
+  }
   gpumem_free_ptr(ptr);
 }
 
@@ -120,6 +205,12 @@ std::string ipc_error() {
 // freeing needs no address lookup
 void gpumem_delete_token(void* ctx) {
   RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+  if (C10_UNLIKELY(g_ctx.load(std::memory_order_relaxed) > 0)) {
+    // (a block handed out before traces were on: none to forget)
+    TagScope tag(on_free_context(nullptr));
+    gpumem_free_token(reinterpret_cast<uint64_t>(ctx));
+    return;
+  }
   gpumem_free_token(reinterpret_cast<uint64_t>(ctx));
 }
 
@@ -139,6 +230,22 @@ std::string pool_name(c10::MempoolId_t id) {
   return "(" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
 }
 
+// A size as PyTorch's out-of-memory message writes it (bytes, KiB, MiB, GiB, two decimals);
+// snprintf, not an ostream (see the note at the top)
+std::string format_size(uint64_t size) {
+  char buf[64];
+  if (size <= 1024) {
+    snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(size));
+  } else if (size <= 1048576) {
+    snprintf(buf, sizeof buf, "%.2f KiB", size / 1024.0);
+  } else if (size <= 1073741824ULL) {
+    snprintf(buf, sizeof buf, "%.2f MiB", size / 1048576.0);
+  } else {
+    snprintf(buf, sizeof buf, "%.2f GiB", size / 1073741824.0);
+  }
+  return buf;
+}
+
 // A checkpoint of a private pool (CUDA graph trees): gpumem's saved layout.
 struct GpumemState final : CCA::AllocatorState {
   GpumemState(c10::DeviceIndex dev, c10::MempoolId_t id, void* ckpt)
@@ -153,7 +260,8 @@ struct GpumemState final : CCA::AllocatorState {
 
 // the segments of a flat answer (gpumem_segments_flat's layout) into a snapshot
 void add_segments(CCA::SnapshotInfo& info, int dev, const std::vector<uint64_t>& flat,
-                  c10::MempoolId_t owner) {
+                  c10::MempoolId_t owner,
+                  const std::unordered_map<void*, Ctx>* live_ctx = nullptr) {
   size_t i = 0;
   while (i + 6 <= flat.size()) {
     c10::CachingDeviceAllocator::SegmentInfo seg;
@@ -165,6 +273,7 @@ void add_segments(CCA::SnapshotInfo& info, int dev, const std::vector<uint64_t>&
     seg.is_expandable = flat[i + 4] != 0;
     seg.owner_private_pool_id = owner;
     size_t blocks = flat[i + 5];
+    uint64_t addr = flat[i];
     i += 6;
     for (size_t b = 0; b < blocks && i + 4 <= flat.size(); ++b, i += 4) {
       c10::CachingDeviceAllocator::BlockInfo block;
@@ -177,6 +286,11 @@ void add_segments(CCA::SnapshotInfo& info, int dev, const std::vector<uint64_t>&
         seg.requested_size += block.requested_size;
       }
       if (block.active) seg.active_size += block.size;
+      if (block.allocated && live_ctx) {
+        auto it = live_ctx->find(reinterpret_cast<void*>(addr));
+        if (it != live_ctx->end()) block.context_when_allocated = it->second;
+      }
+      addr += block.size;
       seg.blocks.push_back(block);
     }
     info.segments.push_back(std::move(seg));
@@ -213,8 +327,9 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     c10::DeviceIndex dev = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
     c10::Device device(c10::DeviceType::CUDA, dev);
-    if (C10_UNLIKELY(n == 0 || g_captures.load(std::memory_order_relaxed) > 0)) {
-      void* p = alloc_or_throw(n, dev, stream);
+    if (C10_UNLIKELY(n == 0 || g_captures.load(std::memory_order_relaxed) > 0 ||
+                     g_ctx.load(std::memory_order_relaxed) > 0)) {
+      void* p = alloc_traced(n, dev, stream);
       return {p, p, &gpumem_delete, device};
     }
     char err[1024];
@@ -241,6 +356,8 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   }
   void emptyCache(c10::MempoolId_t mempool_id) override {
     RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
+    // with "all", the segments given back carry the trace of this call
+    TagScope tag(g_ctx.load(std::memory_order_relaxed) >= 3 ? tag_for(gather_context()) : 0);
     if (is_pool(mempool_id)) {
       gpumem_pool_empty_cache(mempool_id.first, mempool_id.second);
     } else {
@@ -295,12 +412,15 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   }
   void* raw_alloc(size_t n) override {
     c10::DeviceIndex dev = current_device();
-    return alloc_or_throw(n, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
+    if (!enabled_) return uncached_alloc(n, dev);
+    return alloc_traced(n, dev, c10::cuda::getCurrentCUDAStream(dev).stream());
   }
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
-    return alloc_or_throw(n, current_device(), stream);
+    if (!enabled_) return uncached_alloc(n, current_device());
+    return alloc_traced(n, current_device(), stream);
   }
   void raw_delete(void* ptr) override {
+    if (C10_UNLIKELY(g_uncached.load(std::memory_order_relaxed) > 0) && uncached_free(ptr)) return;
     gpumem_delete(ptr);
   }
   void init(int device_count) override {
@@ -346,6 +466,14 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     // the segments of every device in use (an expandable segment as one segment per mapped
     // run of pages); no traces yet (gpumem records its own: see gpumem_torch)
     CCA::SnapshotInfo info;
+    // the traces of live blocks and of recorded events, copied under the lock
+    std::unordered_map<void*, Ctx> live_ctx;
+    std::unordered_map<uint64_t, Ctx> tag_ctx;
+    if (g_ctx.load(std::memory_order_relaxed) > 0) {
+      std::lock_guard<std::mutex> l(contexts().mu);
+      live_ctx = contexts().live;
+      tag_ctx = contexts().tags;
+    }
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess) {
       (void)cudaGetLastError();
@@ -360,11 +488,22 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
         flat.resize(gpumem_pool_segments_flat(dev, mempool_id.first, mempool_id.second,
                                               flat.data(), flat.size()));
       } else {
+        // every segment, each with the pool it belongs to (as PyTorch's snapshot lists them)
         flat.resize(gpumem_segments_flat(dev, nullptr, 0));
-        if (flat.empty()) continue;
         flat.resize(gpumem_segments_flat(dev, flat.data(), flat.size()));
+        std::vector<uint64_t> ids(gpumem_pool_ids(dev, nullptr, 0));
+        ids.resize(gpumem_pool_ids(dev, ids.data(), ids.size()));
+        for (size_t k = 0; k + 2 <= ids.size(); k += 2) {
+          std::vector<uint64_t> pf(gpumem_pool_segments_flat(dev, ids[k], ids[k + 1], nullptr, 0));
+          if (pf.empty()) continue;
+          pf.resize(gpumem_pool_segments_flat(dev, ids[k], ids[k + 1], pf.data(), pf.size()));
+          add_segments(info, dev, pf,
+                       c10::MempoolId_t{static_cast<decltype(c10::MempoolId_t{}.first)>(ids[k]),
+                                        static_cast<decltype(c10::MempoolId_t{}.second)>(ids[k + 1])},
+                       &live_ctx);
+        }
       }
-      add_segments(info, dev, flat, mempool_id);
+      add_segments(info, dev, flat, mempool_id, &live_ctx);
     }
     info.device_traces.resize(static_cast<size_t>(count));
     if (gpumem_history_enabled()) {
@@ -373,12 +512,23 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
         std::vector<uint64_t> flat(gpumem_history_flat(dev, nullptr, 0));
         if (flat.empty()) continue;
         flat.resize(gpumem_history_flat(dev, flat.data(), flat.size()));
-        for (size_t i = 0; i + 5 <= flat.size(); i += 5) {
+        std::vector<std::string> skip;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          skip = skip_actions_;
+        }
+        for (size_t i = 0; i + 6 <= flat.size(); i += 6) {
+          if (!skip.empty() && skipped(static_cast<Entry::Action>(flat[i]), skip)) continue;
+          Ctx ctx;
+          if (flat[i + 5] != 0) {
+            auto it = tag_ctx.find(flat[i + 5]);
+            if (it != tag_ctx.end()) ctx = it->second;
+          }
           info.device_traces[dev].emplace_back(
               static_cast<Entry::Action>(flat[i]), static_cast<c10::DeviceIndex>(dev),
               static_cast<size_t>(flat[i + 1]), static_cast<size_t>(flat[i + 2]),
               reinterpret_cast<void*>(flat[i + 3]), c10::MempoolId_t{0, 0},
-              static_cast<c10::approx_time_t>(flat[i + 4]));
+              static_cast<c10::approx_time_t>(flat[i + 4]), std::move(ctx));
         }
       }
     }
@@ -488,11 +638,29 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     return gpumem_history_enabled() != 0;
   }
   // allocation history without stack contexts (gpumem records no Python or C++ stacks)
-  void recordHistory(bool enabled, CCA::CreateContextFn /*context_recorder*/,
-                     size_t alloc_trace_max_entries, CCA::RecordContext /*when*/,
-                     bool /*clearHistory*/,
-                     const std::vector<std::string>& /*skip_actions*/) override {
-    gpumem_record_history(enabled ? 1 : 0, alloc_trace_max_entries);
+  // allocation history, with PyTorch's stack traces where it asks for them (see Contexts)
+  void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, CCA::RecordContext when,
+                     bool clearHistory,
+                     const std::vector<std::string>& skip_actions) override {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      skip_actions_ = skip_actions;
+    }
+    int mode = enabled && context_recorder ? static_cast<int>(when) : 0;
+    {
+      auto& c = contexts();
+      std::lock_guard<std::mutex> l(c.mu);
+      c.recorder = mode > 0 ? context_recorder : nullptr;
+      c.cap = alloc_trace_max_entries > 0 ? alloc_trace_max_entries : 100000;
+      if (!enabled || clearHistory) {
+        c.tags.clear();
+        c.order.clear();
+      }
+      if (mode == 0) c.live.clear();
+    }
+    g_ctx.store(mode, std::memory_order_relaxed);
+    gpumem_record_history(enabled ? 1 : 0, alloc_trace_max_entries, clearHistory ? 1 : 0);
   }
   void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> l(mu_);
@@ -560,6 +728,70 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   }
 
  private:
+  // alloc_or_throw, gathering the stack trace where history asks for it: the events of the
+  // allocation carry it ("alloc", "all"), and the block keeps it while it lives
+  void* alloc_traced(size_t n, c10::DeviceIndex dev, cudaStream_t stream) {
+    int mode = g_ctx.load(std::memory_order_relaxed);
+    if (C10_LIKELY(mode == 0)) return alloc_or_throw(n, dev, stream);
+    Ctx ctx = gather_context();
+    void* p = nullptr;
+    {
+      TagScope tag(mode >= 2 ? tag_for(ctx) : 0);
+      p = alloc_or_throw(n, dev, stream);
+    }
+    if (p && ctx) {
+      std::lock_guard<std::mutex> l(contexts().mu);
+      contexts().live[p] = std::move(ctx);
+    }
+    return p;
+  }
+  // torch.cuda.caching_allocator_enable(False): raw allocations go straight to cudaMalloc,
+  // outside gpumem's cache and statistics, as PyTorch's own allocator does
+  void* uncached_alloc(size_t n, c10::DeviceIndex dev) {
+    if (n == 0) return nullptr;
+    c10::cuda::CUDAGuard g(dev);
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, n);
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      TORCH_CHECK_WITH(OutOfMemoryError, false,
+                       "CUDA out of memory. Tried to allocate " + format_size(n) +
+                           " with the caching allocator disabled (cudaMalloc)");
+    }
+    C10_CUDA_CHECK(e);
+    std::lock_guard<std::mutex> l(mu_);
+    uncached_.insert(p);
+    g_uncached.fetch_add(1);
+    return p;
+  }
+  bool uncached_free(void* p) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!uncached_.erase(p)) return false;
+      g_uncached.fetch_sub(1);
+    }
+    C10_CUDA_CHECK(cudaFree(p));
+    return true;
+  }
+  static bool skipped(c10::CachingDeviceAllocator::TraceEntry::Action a,
+                      const std::vector<std::string>& skip) {
+    using A = c10::CachingDeviceAllocator::TraceEntry::Action;
+    const char* name = "";
+    switch (a) {
+      case A::ALLOC: name = "alloc"; break;
+      case A::FREE_REQUESTED: name = "free_requested"; break;
+      case A::FREE_COMPLETED: name = "free_completed"; break;
+      case A::SEGMENT_ALLOC: name = "segment_alloc"; break;
+      case A::SEGMENT_FREE: name = "segment_free"; break;
+      case A::SEGMENT_MAP: name = "segment_map"; break;
+      case A::SEGMENT_UNMAP: name = "segment_unmap"; break;
+      case A::SNAPSHOT: name = "snapshot"; break;
+      case A::OOM: name = "oom"; break;
+      default: break;
+    }
+    return std::find(skip.begin(), skip.end(), name) != skip.end();
+  }
+
   struct Capture {
     c10::DeviceIndex dev;
     c10::MempoolId_t id;
@@ -580,6 +812,8 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
 
   void* alloc_or_throw(size_t n, c10::DeviceIndex dev, cudaStream_t stream) {
     if (n == 0) return nullptr;
+    TORCH_CHECK_WITH(OutOfMemoryError, n < (1ULL << 60),
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
     char err[1024] = {0};
     int oom = 0;
     void* p = nullptr;
@@ -596,6 +830,14 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
       p = gpumem_alloc_checked(static_cast<ssize_t>(n), dev, stream, err, sizeof err, &oom);
     }
     if (p) return p;
+    size_t free_bytes = 0, total = 0;
+    {
+      c10::cuda::CUDAGuard g(dev);
+      if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) (void)cudaGetLastError();
+    }
+    // more than gpumem accepts (1 PiB) and more than the device has: out of memory, as
+    // PyTorch says it
+    if (!oom && total > 0 && n > total) oom = 1;
     if (oom) {
       // pools marked use_on_oom (MemPool(use_on_oom=True)) lend their memory
       std::vector<c10::MempoolId_t> lenders;
@@ -611,22 +853,26 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
                                       e2, sizeof e2, &o2);
         if (p) return p;
       }
-      size_t free_bytes = 0, total = 0;
-      {
-        c10::cuda::CUDAGuard g(dev);
-        if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) (void)cudaGetLastError();
-      }
       std::vector<CCA::OutOfMemoryObserver> observers;
       {
         std::lock_guard<std::mutex> l(mu_);
         observers = observers_;
       }
-      int64_t allocated = 0;
-      const char* key = "allocated_bytes.all.current";
-      gpumem_stats_values(dev, &key, &allocated, 1);
-      for (auto& o : observers) o(dev, static_cast<size_t>(allocated), total, free_bytes);
+      int64_t vals[2] = {0, 0};
+      const char* keys[2] = {"allocated_bytes.all.current", "reserved_bytes.all.current"};
+      gpumem_stats_values(dev, keys, vals, 2);
+      for (auto& o : observers) o(dev, static_cast<size_t>(vals[0]), total, free_bytes);
+      // PyTorch's sentences first (programs match them: "CUDA out of memory.", "Tried to
+      // allocate"), then gpumem's own account
+      uint64_t unallocated = vals[1] > vals[0] ? static_cast<uint64_t>(vals[1] - vals[0]) : 0;
       TORCH_CHECK_WITH(OutOfMemoryError, false,
-                       "CUDA out of memory (gpumem) on device " + std::to_string(dev) + ": " +
+                       "CUDA out of memory. Tried to allocate " + format_size(n) + ". GPU " +
+                           std::to_string(dev) + " has a total capacity of " +
+                           format_size(total) + " of which " + format_size(free_bytes) +
+                           " is free. Of the allocated memory " +
+                           format_size(static_cast<uint64_t>(vals[0])) +
+                           " is allocated by PyTorch (gpumem), and " + format_size(unallocated) +
+                           " is reserved by PyTorch (gpumem) but unallocated. gpumem: " +
                            std::string(err));
     }
     TORCH_CHECK(false, "gpumem: allocation of " + std::to_string(n) + " bytes on device " +
@@ -638,7 +884,9 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   std::mutex mu_;
   std::vector<CCA::OutOfMemoryObserver> observers_;
   std::vector<double> fractions_;
-  bool enabled_ = true;
+  std::vector<std::string> skip_actions_;
+  std::unordered_set<void*> uncached_;
+  std::atomic<bool> enabled_{true};
 };
 
 std::shared_ptr<GpumemAllocator>& instance() {
@@ -659,6 +907,8 @@ void install() {
   if (instance()) return;
   instance() = std::make_shared<GpumemAllocator>();
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(instance());
+  // torch.accelerator.* reaches the CUDA allocator through c10's allocator registry
+  c10::SetAllocator(c10::DeviceType::CUDA, instance().get(), UINT8_MAX);
 }
 
 bool installed() {
