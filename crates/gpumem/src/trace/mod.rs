@@ -96,7 +96,11 @@ pub fn parse_trace(name: &str, reader: impl BufRead) -> Result<Vec<TraceEvent>> 
 /// of the first device that has any.
 pub fn read_pickle(name: &str, reader: impl Read) -> Result<Vec<TraceEvent>> {
     use serde_pickle::{DeOptions, HashableValue as K, Value as V};
-    let opts = DeOptions::new().replace_unresolved_globals();
+    // (stack frames shared through the memo may refer to themselves: they become None, as
+    // replay reads no frames)
+    let opts = DeOptions::new()
+        .replace_unresolved_globals()
+        .replace_recursive_structures();
     let root = serde_pickle::value_from_reader(reader, opts)
         .map_err(|e| Error::Trace(format!("{name}: not a readable pickle: {e}")))?;
     let key = |k: &str| K::String(k.to_string());
