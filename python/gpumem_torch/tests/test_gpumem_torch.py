@@ -69,7 +69,8 @@ def test_out_of_memory_is_pytorchs_error_after_a_flush():
             t = torch.empty(40 << 30, dtype=torch.uint8, device="cuda")
             print("no exception: data_ptr", t.data_ptr())
         except torch.OutOfMemoryError as e:
-            print("oom raised:", type(e).__name__, str(e)[:400])
+            # (the whole message: PyTorch's sentences, then gpumem's account)
+            print("oom raised:", type(e).__name__, str(e).replace("\\n", " "))
         s = gpumem_torch.memory_stats()
         assert s["num_ooms"] >= 1 and s["num_alloc_retries"] >= 1, s
         del keep
@@ -78,6 +79,7 @@ def test_out_of_memory_is_pytorchs_error_after_a_flush():
         print("ok")
     """)
     assert rc == 0 and "oom raised: OutOfMemoryError" in out and "ok" in out, out + err
+    assert "CUDA out of memory. Tried to allocate 40.00 GiB." in out, out
     assert "tried to allocate" in out and "reserved" in out and "budget" in out, out
 
 
