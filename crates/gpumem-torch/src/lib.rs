@@ -454,6 +454,19 @@ pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
     })
 }
 
+/// Copy `v` into `out` (at most `cap` values); returns `v.len()`, what the whole answer needs.
+///
+/// # Safety
+/// `out` must be null or hold `cap` writable values.
+pub(crate) unsafe fn copy_out(v: &[u64], out: *mut u64, cap: usize) -> usize {
+    if !out.is_null() {
+        let n = v.len().min(cap);
+        // SAFETY: `out` holds `cap` values (the caller's contract) and n <= cap.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, n) };
+    }
+    v.len()
+}
+
 /// The segments of `device` for `torch.cuda.memory._snapshot()`, as a flat array of u64:
 /// per segment `address, total_size, stream, is_large, is_expandable, block count`, then per
 /// block `size, requested_size, allocated, active`. The shared pool's segments only (a private
@@ -469,12 +482,8 @@ pub unsafe extern "C" fn gpumem_segments_flat(device: c_int, out: *mut u64, cap:
     let flat = guard(Vec::new(), || {
         made_allocator(device).map_or_else(Vec::new, |a| segments_flat(&a.shared_segments()))
     });
-    if !out.is_null() {
-        let n = flat.len().min(cap);
-        // SAFETY: `out` holds `cap` values (the caller's contract) and n <= cap.
-        unsafe { std::ptr::copy_nonoverlapping(flat.as_ptr(), out, n) };
-    }
-    flat.len()
+    // SAFETY: the caller's contract.
+    unsafe { copy_out(&flat, out, cap) }
 }
 
 /// See [`gpumem_segments_flat`].
@@ -608,12 +617,8 @@ pub unsafe extern "C" fn gpumem_history_flat(device: c_int, out: *mut u64, cap: 
         }
         history_flat(kept)
     });
-    if !out.is_null() {
-        let n = flat.len().min(cap);
-        // SAFETY: `out` holds `cap` values (the caller's contract) and n <= cap.
-        unsafe { std::ptr::copy_nonoverlapping(flat.as_ptr(), out, n) };
-    }
-    flat.len()
+    // SAFETY: the caller's contract.
+    unsafe { copy_out(&flat, out, cap) }
 }
 
 /// See [`gpumem_history_flat`].

@@ -7,7 +7,8 @@
 //! nothing here panics across the ABI.
 
 use super::{
-    allocator, checked_result, guard, made_allocator, segments_flat, sized_allocator, state,
+    allocator, checked_result, copy_out, guard, made_allocator, segments_flat, sized_allocator,
+    state,
 };
 use gpumem::pool::Layout;
 use gpumem::{PoolId, Stream};
@@ -18,19 +19,6 @@ fn status(r: gpumem::Result<()>) -> c_int {
         Ok(()) => 0,
         Err(_) => -1,
     }
-}
-
-/// Copy `v` into `out` (at most `cap` values); returns `v.len()`.
-///
-/// # Safety
-/// `out` must be null or hold `cap` writable values.
-unsafe fn copy_out(v: &[u64], out: *mut u64, cap: usize) -> usize {
-    if !out.is_null() {
-        let n = v.len().min(cap);
-        // SAFETY: `out` holds `cap` values (the caller's contract) and n <= cap.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, n) };
-    }
-    v.len()
 }
 
 /// A capture on `device` starts recording into pool `(a, b)` (made if new, its use count

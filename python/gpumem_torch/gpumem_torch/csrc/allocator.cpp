@@ -186,11 +186,8 @@ struct RelaxedCaptureMode {
 
 void gpumem_delete(void* ptr) {
   RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
-  if (C10_UNLIKELY(g_ctx.load(std::memory_order_relaxed) > 0)) {
-    TagScope tag(on_free_context(ptr));
-    gpumem_free_ptr(ptr);
-    return;
-  }
+  TagScope tag(C10_UNLIKELY(g_ctx.load(std::memory_order_relaxed) > 0) ? on_free_context(ptr)
+                                                                       : 0);
   gpumem_free_ptr(ptr);
 }
 
@@ -205,12 +202,10 @@ std::string ipc_error() {
 // freeing needs no address lookup
 void gpumem_delete_token(void* ctx) {
   RelaxedCaptureMode relaxed(g_captures.load(std::memory_order_relaxed) > 0);
-  if (C10_UNLIKELY(g_ctx.load(std::memory_order_relaxed) > 0)) {
-    // (a block handed out before traces were on: none to forget)
-    TagScope tag(on_free_context(nullptr));
-    gpumem_free_token(reinterpret_cast<uint64_t>(ctx));
-    return;
-  }
+  // (a block handed out by token was allocated while traces were off: none to forget)
+  TagScope tag(C10_UNLIKELY(g_ctx.load(std::memory_order_relaxed) > 0)
+                   ? on_free_context(nullptr)
+                   : 0);
   gpumem_free_token(reinterpret_cast<uint64_t>(ctx));
 }
 
@@ -464,7 +459,7 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   }
   CCA::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool /*include_traces*/) override {
     // the segments of every device in use (an expandable segment as one segment per mapped
-    // run of pages); no traces yet (gpumem records its own: see gpumem_torch)
+    // run of pages), and the recorded history
     CCA::SnapshotInfo info;
     // the traces of live blocks and of recorded events, copied under the lock
     std::unordered_map<void*, Ctx> live_ctx;
@@ -508,15 +503,15 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     info.device_traces.resize(static_cast<size_t>(count));
     if (gpumem_history_enabled()) {
       using Entry = c10::CachingDeviceAllocator::TraceEntry;
+      std::vector<std::string> skip;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        skip = skip_actions_;
+      }
       for (int dev = 0; dev < count; ++dev) {
         std::vector<uint64_t> flat(gpumem_history_flat(dev, nullptr, 0));
         if (flat.empty()) continue;
         flat.resize(gpumem_history_flat(dev, flat.data(), flat.size()));
-        std::vector<std::string> skip;
-        {
-          std::lock_guard<std::mutex> l(mu_);
-          skip = skip_actions_;
-        }
         for (size_t i = 0; i + 6 <= flat.size(); i += 6) {
           if (!skip.empty() && skipped(static_cast<Entry::Action>(flat[i]), skip)) continue;
           Ctx ctx;
@@ -637,7 +632,6 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   bool isHistoryEnabled() override {
     return gpumem_history_enabled() != 0;
   }
-  // allocation history without stack contexts (gpumem records no Python or C++ stacks)
   // allocation history, with PyTorch's stack traces where it asks for them (see Contexts)
   void recordHistory(bool enabled, CCA::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, CCA::RecordContext when,
