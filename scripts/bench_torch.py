@@ -95,13 +95,13 @@ def lm_step(torch, m, opt, x):
     return loss
 
 
-def run_gpt(torch, steps, varlen):
+def run_gpt(torch, steps, varlen, batch=8):
     m = decoder(torch)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(2)
     for _ in range(steps):
         seq = 64 * int(torch.randint(2, 17, (1,), generator=g)) if varlen else 1024
-        x = torch.randint(0, 32000, (8, seq), generator=g).cuda()
+        x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
         yield lm_step(torch, m, opt, x)
 
 
@@ -145,6 +145,59 @@ def run_gptfix(torch, steps, L=12, D=1024, H=16, V=32000, B=8, T=1024):
         x = torch.randint(0, V, (B, T + 1), generator=g).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = m(x[:, :-1])
+            loss = F.cross_entropy(logits.float().view(-1, V), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
+
+
+def run_lora(torch, steps, B=8, T=1024, L=12, D=2048, H=16, FF=5632, V=32000, R=16):
+    """LoRA fine-tuning with gradient checkpointing: a Llama-style decoder (RMSNorm, SwiGLU,
+    causal attention) with frozen bf16 weights, rank-R adapters on the query and value
+    projections (the only trained parameters, AdamW), every block recomputed in backward."""
+    F = torch.nn.functional
+    from torch.utils.checkpoint import checkpoint
+
+    gw = torch.Generator().manual_seed(11)
+
+    def frozen(*shape):
+        return (torch.randn(*shape, generator=gw) * 0.02).to("cuda", torch.bfloat16)
+
+    def lora_pair():
+        a = torch.nn.Parameter((torch.randn(D, R, generator=gw) * 0.01).cuda())
+        return a, torch.nn.Parameter(torch.zeros(R, D, device="cuda"))
+
+    def rms(x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    blocks = [dict(q=frozen(D, D), k=frozen(D, D), v=frozen(D, D), o=frozen(D, D),
+                   gate=frozen(D, FF), up=frozen(D, FF), down=frozen(FF, D),
+                   lq=lora_pair(), lv=lora_pair()) for _ in range(L)]
+    emb, head = frozen(V, D), frozen(D, V)
+    params = [p for b in blocks for k in ("lq", "lv") for p in b[k]]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def block(x, p):
+        b, t, _ = x.shape
+        h = rms(x)
+        q = h @ p["q"] + (h @ p["lq"][0]) @ p["lq"][1]
+        k = h @ p["k"]
+        v = h @ p["v"] + (h @ p["lv"][0]) @ p["lv"][1]
+        q, k, v = (z.view(b, t, H, D // H).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + a.transpose(1, 2).reshape(b, t, D) @ p["o"]
+        h = rms(x)
+        return x + (F.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+
+    g = torch.Generator().manual_seed(12)
+    for _ in range(steps):
+        x = torch.randint(0, V, (B, T + 1), generator=g).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = emb[x[:, :-1]]
+            for p in blocks:
+                h = checkpoint(block, h, p, use_reentrant=False)
+            logits = rms(h) @ head
             loss = F.cross_entropy(logits.float().view(-1, V), x[:, 1:].reshape(-1))
         loss.backward()
         opt.step()
@@ -417,8 +470,7 @@ def worker(workload, setting, steps):
             s = gpumem_torch.memory_stats()
             print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
                 "num_move_stops", "vmm_calls_foreground", "vmm_calls_background",
-                "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_recalled",
-                "num_homes", "num_page_moves", "num_pressure_moves", "page_move_ns",
+                "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_page_moves", "num_pressure_moves", "page_move_ns",
                 *TIME_KEYS)), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
@@ -457,6 +509,179 @@ def worker(workload, setting, steps):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+# ----------------------------------------------------------------------------- capacity
+
+# capacity jobs: name -> (make the step generator for a batch, first batch tried)
+CAPACITY_JOBS = {
+    # the fixed-shape GPT of gpt_train (gptfix) at batch B x 1024 tokens
+    "gptfix": (lambda torch, steps, b: run_gptfix(torch, steps, B=b), 16),
+    # nn.TransformerEncoder GPT, sequence length drawn per step (128..1024), batch B
+    "varlen": (lambda torch, steps, b: run_gpt(torch, steps, True, batch=b), 16),
+    # LoRA fine-tuning of a frozen 0.6B-parameter decoder with gradient checkpointing, B x 1024
+    "lora": (lambda torch, steps, b: run_lora(torch, steps, B=b), 16),
+}
+
+
+def ballast(torch, cap):
+    """Leave `cap` bytes of the device free for the job: the rest is taken with cuMemAlloc
+    outside every allocator under test (the same physical cap for all of them, as a smaller
+    GPU or one shared with another process would give). Returns the bytes taken."""
+    import ctypes
+
+    free, _ = torch.cuda.mem_get_info()  # makes the primary context current
+    take = free - cap
+    if take <= 0:
+        return 0
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ptr = ctypes.c_uint64(0)
+    take = take // (2 << 20) * (2 << 20)
+    rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(take))
+    if rc != 0:
+        raise RuntimeError(f"cuMemAlloc of the ballast ({take} bytes) failed: {rc}")
+    return take
+
+
+def probe(job, setting, batch, steps, cap):
+    """Run capacity job `job` at `batch` for `steps` steps with `cap` bytes of the device free;
+    prints PROBE {...}: ok (no out-of-memory error), step time, peak memory."""
+    if setting.startswith("gpumem"):
+        import gpumem_torch
+
+        gpumem_torch.install()
+    import torch
+
+    torch.manual_seed(0)
+    taken = ballast(torch, cap)
+    out = {"job": job, "setting": setting, "batch": batch, "ballast": taken}
+    times = []
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in CAPACITY_JOBS[job][0](torch, steps, batch):
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            times.append((now - t) * 1e3)
+            t = now
+        out["ok"] = True
+    except torch.OutOfMemoryError as e:
+        out["ok"] = False
+        out["oom"] = str(e).split("\n")[0][:300]
+    out["steps"] = len(times)
+    if len(times) > 3:
+        out["step_ms"] = statistics.median(times[3:])
+    stats = (gpumem_torch if setting.startswith("gpumem") else torch.cuda).memory_stats()
+    for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_pressure_moves",
+              "num_move_stops", "page_map_ns", "num_ooms"):
+        if k in stats:
+            out[k] = stats[k]
+    print("PROBE " + json.dumps(out), flush=True)
+
+
+def run_probe(job, setting, batch, steps, cap, here):
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.update(setting_env(setting))
+    env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if setting.startswith("gpumem"):
+        pkg = os.path.join(here, "..", "python", "gpumem_torch")
+        env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe", job, setting, str(batch),
+           "--steps", str(steps), "--cap-gb", str(cap / 2**30)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    line = [l for l in r.stdout.splitlines() if l.startswith("PROBE ")]
+    if not line:
+        # a crash is not a capacity: report it as failed, with its error
+        return {"job": job, "setting": setting, "batch": batch, "ok": False,
+                "error": r.stderr[-1500:]}
+    return json.loads(line[-1][len("PROBE "):])
+
+
+def capacity(jobs, settings, steps, cap, out_json):
+    """For each job and setting, the largest batch that runs `steps` steps without an
+    out-of-memory error with `cap` bytes of the device free, each try a fresh process. Native
+    is searched first (up by a quarter until it fails, then by bisection); every other setting
+    starts at native's largest batch and searches up or down from there."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    results = []
+    table = []
+    for job in jobs:
+        native_best = None
+        for s in settings:
+            tried = {}
+
+            def ok(b):
+                if b not in tried:
+                    r = run_probe(job, s, b, steps, cap, here)
+                    results.append(r)
+                    tried[b] = r
+                    print(f"  {job:<7} {s:<11} batch {b:4d} "
+                          + (f"ok   {r.get('step_ms', 0):8.1f} ms" if r["ok"] else
+                             "OOM" if "oom" in r else "error: " + r.get("error", "")[-300:])
+                          + (f"  pressure moves {r['num_pressure_moves']}, page work "
+                             f"{r.get('page_map_ns', 0) / 1e6 / max(r.get('steps', 1), 1):.1f} ms/step"
+                             if "num_pressure_moves" in r else ""),
+                          file=sys.stderr, flush=True)
+                return tried[b]["ok"]
+
+            start = native_best or CAPACITY_JOBS[job][1]
+            lo, hi = 0, None  # largest passing, smallest failing
+            b = start
+            if ok(b):
+                lo = b
+                step = 1 if native_best else max(1, b // 4)
+                while hi is None and b < 4096:
+                    b = lo + step
+                    if ok(b):
+                        lo = b
+                        step = step if native_best else max(1, b // 4)
+                    else:
+                        hi = b
+            else:
+                hi = b
+                step = 1 if native_best else max(1, b // 4)
+                while lo == 0 and b > 1:
+                    b = max(1, hi - step)
+                    if ok(b):
+                        lo = b
+                    else:
+                        hi = b
+                        step = step if native_best else max(1, b // 4)
+            while hi is not None and hi - lo > 1:
+                mid = (lo + hi) // 2
+                if ok(mid):
+                    lo = mid
+                else:
+                    hi = mid
+            if s == "native":
+                native_best = lo or None
+            at_native = tried.get(native_best) if native_best else None
+            best = tried.get(lo)
+            table.append({
+                "job": job, "setting": s, "largest_batch": lo,
+                "step_ms": best.get("step_ms") if best else None,
+                "ratio": (best["reserved_bytes.all.peak"] / best["allocated_bytes.all.peak"])
+                if best and best.get("allocated_bytes.all.peak") else None,
+                "step_ms_at_native_batch": at_native.get("step_ms") if at_native and at_native["ok"] else None,
+                "native_batch": native_best, "probes": len(tried),
+                "pressure_moves": best.get("num_pressure_moves") if best else None,
+            })
+    print(f"capacity: largest batch running {steps} steps with {cap / 2**30:.1f} GiB free")
+    print(f"{'job':<8} {'setting':<11} {'largest':>7} {'step ms':>8} {'ratio':>6} "
+          f"{'native batch':>12} {'step ms there':>13} {'vs native':>9}  probes")
+    for job in jobs:
+        nat = next((t for t in table if t["job"] == job and t["setting"] == "native"), None)
+        for t in (t for t in table if t["job"] == job):
+            there = t["step_ms_at_native_batch"]
+            rel = there / nat["step_ms_at_native_batch"] if there and nat and nat["step_ms_at_native_batch"] else None
+            fmt = lambda v, f: "-" if v is None else format(v, f)
+            print(f"{job:<8} {t['setting']:<11} {t['largest_batch']:7d} {fmt(t['step_ms'], '8.1f')} "
+                  f"{fmt(t['ratio'], '6.3f')} {fmt(t['native_batch'], '12d')} {fmt(there, '13.1f')} "
+                  f"{fmt(rel, '9.3f')}  {t['probes']}")
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump({"cap": cap, "steps": steps, "table": table, "probes": results}, f, indent=1)
+
+
 # ------------------------------------------------------------------------------- driver
 
 
@@ -467,9 +692,20 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="write all results here")
     p.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "SETTING"), help=argparse.SUPPRESS)
+    p.add_argument("--capacity", metavar="JOBS", nargs="?", const=",".join(CAPACITY_JOBS),
+                   help="capacity benchmark instead: the largest batch each setting runs with "
+                   "--cap-gb of the device free (jobs: " + ",".join(CAPACITY_JOBS) + ")")
+    p.add_argument("--cap-gb", type=float, default=16.0, help="device memory left free (GiB)")
+    p.add_argument("--probe", nargs=3, metavar=("JOB", "SETTING", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         worker(a.worker[0], a.worker[1], a.steps)
+        return 0
+    if a.probe:
+        probe(a.probe[0], a.probe[1], int(a.probe[2]), a.steps, int(a.cap_gb * 2**30))
+        return 0
+    if a.capacity:
+        capacity(a.capacity.split(","), a.settings.split(","), a.steps, int(a.cap_gb * 2**30), a.json)
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     results = []

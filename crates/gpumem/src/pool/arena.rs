@@ -261,23 +261,12 @@ impl CachingPool {
     }
 
     pub(super) fn new_block(&mut self, b: Block) -> u32 {
-        let addr = b.addr;
-        let id = slab_insert(&mut self.blocks, &mut self.spare_blocks, b);
-        if self.policy.page.is_some() {
-            self.starts.insert(addr, id);
-        }
-        id
+        slab_insert(&mut self.blocks, &mut self.spare_blocks, b)
     }
 
     /// Retire a block slot; returns its former contents.
     pub(super) fn release_block(&mut self, id: u32) -> Block {
         self.spare_blocks.push(id);
-        if self.policy.page.is_some() {
-            let addr = self.blocks[id as usize].addr;
-            if self.starts.get(&addr) == Some(&id) {
-                self.starts.remove(&addr);
-            }
-        }
         std::mem::replace(
             &mut self.blocks[id as usize],
             Block {

@@ -93,7 +93,8 @@ impl MoveBudget {
     }
 
     /// Whether moves are stopped (beyond the job's growth).
-    pub(super) fn stopped(&self) -> bool {
+    #[cfg(test)]
+    fn stopped(&self) -> bool {
         self.stopped
     }
 

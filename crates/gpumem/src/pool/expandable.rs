@@ -17,27 +17,23 @@ impl CachingPool {
         stream: Stream,
         size: u64,
         kind: PoolKind,
-        recalled: bool,
     ) -> Result<u32> {
         // a block whose pages are all mapped needs no driver call: the smallest such among the
         // few smallest that fit, before the best fit that would map pages
         let mut found = match found {
-            Some(id) if !recalled && !self.mapped_under(id, size) => {
-                match self.mapped_fit(stream, size, kind) {
-                    Some(m) => {
-                        self.enter_free(id);
-                        Some(m)
-                    }
-                    None => Some(id),
+            Some(id) if !self.mapped_under(id, size) => match self.mapped_fit(stream, size, kind) {
+                Some(m) => {
+                    self.enter_free(id);
+                    Some(m)
                 }
-            }
+                None => Some(id),
+            },
             f => f,
         };
         // with several streams, a free mapped block of another stream's segment rather than
         // pages moved (see `lending.rs`)
         let mut borrowed = None;
-        if !recalled
-            && self.streams.len() >= 2
+        if self.streams.len() >= 2
             && self.shared.captures.load(Ordering::Relaxed) == 0
             && self.would_move(found, size)
         {
@@ -63,7 +59,7 @@ impl CachingPool {
             },
         };
         self.split(id, size);
-        match self.ensure_mapped(id, stream, recalled) {
+        match self.ensure_mapped(id, stream) {
             Ok(0) => {
                 self.stats.cache_hits += 1;
                 self.settle_taken(id, stream, borrowed);
@@ -190,7 +186,7 @@ impl CachingPool {
     /// Map the unmapped pages under block `id` (taken, not free); returns the bytes mapped.
     /// Beyond the allowance (peak allocated bytes plus the slack), free pages elsewhere are
     /// unmapped first so that the physical memory does not grow.
-    pub(super) fn ensure_mapped(&mut self, id: u32, stream: Stream, recalled: bool) -> Result<u64> {
+    pub(super) fn ensure_mapped(&mut self, id: u32, stream: Stream) -> Result<u64> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let (size, seg) = {
             let b = &self.blocks[id as usize];
@@ -224,16 +220,8 @@ impl CachingPool {
             moved = true;
             self.stats.num_page_moves += 1;
             self.stats.num_pressure_moves += u64::from(pressure);
-            // a recalled placement (a job that repeats) moves its pages home first
-            let got = if recalled {
-                self.move_homes(stream, base, &runs, over)
-            } else {
-                0
-            };
             // no waiting here: pages not yet known idle stay, new ones are mapped
-            if got < over {
-                self.reclaim_pages(Some(stream), over - got, false);
-            }
+            self.reclaim_pages(Some(stream), over, false);
         }
         let mut result = Ok(need);
         for (first, n) in runs {
@@ -559,84 +547,6 @@ impl CachingPool {
                 }
                 Err(e) => tracing::warn!("gpumem: unmapping pages in stream order failed: {e}"),
             }
-        }
-        got
-    }
-
-    /// Before pages are mapped at `runs` of the segment at `base` for `stream`: unmap first
-    /// (up to about `want` bytes) the free pages of `stream`'s segments whose memory lingers at
-    /// those runs, so that the map takes it back with no driver call (moved home). In a job
-    /// that moves the same pages each step, this keeps each address's memory its own instead
-    /// of trading it for whatever the top of the segment holds. Returns the bytes unmapped.
-    fn move_homes(&mut self, stream: Stream, base: DevPtr, runs: &[(u64, u64)], want: u64) -> u64 {
-        if !self.foreign.is_empty() {
-            return 0; // (lent bytes' pages wait for their borrower: see `free_mapped_runs`)
-        }
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let Ok(v) = self.vmm() else { return 0 };
-        let mut homes: Vec<DevPtr> = runs
-            .iter()
-            .flat_map(|&(first, n)| v.homes(base + first * page, n * page))
-            .collect();
-        homes.sort_unstable();
-        let mut got = 0;
-        let mut rest = &homes[..];
-        while let Some(&first) = rest.first() {
-            if got >= want {
-                break;
-            }
-            let seg = self
-                .segment_index
-                .range(..=first)
-                .next_back()
-                .map(|(_, &s)| s);
-            let Some((seg, lo, hi)) = seg.and_then(|seg| {
-                let s = &self.segments[seg as usize];
-                (s.stream == stream && first < s.addr + s.size).then_some((
-                    seg,
-                    s.addr,
-                    s.addr + s.size,
-                ))
-            }) else {
-                // another stream's (its pages move through lending or its checkpoints)
-                let end = rest.partition_point(|&h| h <= first);
-                rest = &rest[end..];
-                continue;
-            };
-            let end = rest.partition_point(|&h| h < hi);
-            let (here, next) = rest.split_at(end);
-            rest = next;
-            // the free pages among them (whole pages of free blocks), as runs
-            let mut free = self.free_mapped_runs(seg, u64::MAX, u64::MAX, Some(stream));
-            free.sort_unstable();
-            let mut take: Vec<(u64, u64)> = Vec::new();
-            let mut pages = 0;
-            for q in here.iter().map(|&h| (h - lo) / page) {
-                if got + pages * page >= want {
-                    break;
-                }
-                let i = free.partition_point(|&(f, _)| f <= q);
-                if i == 0 || q >= free[i - 1].0 + free[i - 1].1 {
-                    continue;
-                }
-                match take.last_mut() {
-                    Some((f, n)) if *f + *n == q => *n += 1,
-                    _ => take.push((q, 1)),
-                }
-                pages += 1;
-            }
-            if take.is_empty() {
-                continue;
-            }
-            // in the stream's order unless all were freed before its last completed checkpoint
-            let safe = self.safe_tick(stream);
-            let busy = self.segments[seg as usize].pages.as_ref().is_some_and(|p| {
-                take.iter()
-                    .any(|&(f, n)| (f..f + n).any(|q| p.freed_at(q) > safe))
-            });
-            let moved = self.unmap_runs_after(seg, take, stream, busy);
-            self.stats.num_homes += moved / page;
-            got += moved;
         }
         got
     }

@@ -41,7 +41,6 @@ mod free_index;
 mod inspect;
 mod lending;
 pub mod pinned;
-mod recall;
 pub mod record;
 mod request;
 pub mod size;
@@ -268,12 +267,6 @@ pub struct CachingPool {
     cross_waited: Vec<(Stream, Stream, u64)>,
     /// trace recording, when on
     recorder: Option<Box<Recorder>>,
-    /// expandable segments: the block starting at each address
-    starts: BTreeMap<DevPtr, u32>,
-    /// where allocations went last time, by context (expandable segments)
-    recall: recall::Recall,
-    /// the allocation being placed: where the same one went last time
-    hint: Option<DevPtr>,
 }
 
 impl std::fmt::Debug for CachingPool {
@@ -341,9 +334,6 @@ impl CachingPool {
             foreign: FxHashMap::default(),
             cross_waited: Vec::new(),
             recorder: None,
-            starts: BTreeMap::new(),
-            recall: Default::default(),
-            hint: None,
         }
     }
 

@@ -40,18 +40,7 @@ impl CachingPool {
         if !self.pending.is_empty() {
             self.process_events();
         }
-        // expandable segments: where the same allocation went last time (see `recall.rs`)
-        // (no hint left from an allocation that failed: each allocation sets its own)
-        self.hint = None;
-        let ctx = self.policy.page.filter(|_| self.settled()).map(|_| {
-            let c = self.recall.context(stream, size, self.stats.requested());
-            self.hint = self.recall.hint(c);
-            c
-        });
-        let quick = self
-            .take_recalled(stream, size)
-            .or_else(|| self.take_quick(stream, size));
-        let id = match quick {
+        let id = match self.take_quick(stream, size) {
             Some(id) => {
                 self.stats.cache_hits += 1;
                 id
@@ -67,12 +56,7 @@ impl CachingPool {
                 }
             },
         };
-        let a = self.hand_out(id, req, size, stream, handout);
-        if let Some(c) = ctx {
-            self.hint = None;
-            self.recall.remember(c, a.addr);
-        }
-        Ok(a)
+        Ok(self.hand_out(id, req, size, stream, handout))
     }
 
     /// Mark taken block `id` handed out for a request of `req` bytes (rounded to `rounded`).
@@ -144,9 +128,6 @@ impl CachingPool {
     }
 
     pub(super) fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
-        if let Some(id) = self.take_hinted(stream, size)? {
-            return Ok(id);
-        }
         let kind = Self::kind_of(size);
         let id = match self.best_fit(stream, size, kind) {
             // expandable: a block that would need pages mapped while freed blocks wait in the
@@ -169,7 +150,7 @@ impl CachingPool {
             None => None,
         };
         if self.policy.page.is_some() {
-            return self.place_expandable(id, stream, size, kind, false);
+            return self.place_expandable(id, stream, size, kind);
         }
         let id = match id.or_else(|| self.steal(stream, size, kind)) {
             Some(id) => {
@@ -331,7 +312,6 @@ impl CachingPool {
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
         self.budget.restart();
-        self.recall.clear();
         self.flush_quick();
         self.process_events();
         let mut bytes = self.reclaim_pages(None, u64::MAX, true);

@@ -122,12 +122,6 @@ pub struct Stats {
     /// free blocks of another stream's expandable segment handed out (mapped memory lent
     /// instead of pages moved; the allocating stream waits for the other's event on the GPU)
     pub num_cross_stream_blocks: u64,
-    /// allocations placed where the same allocation was placed last time (expandable
-    /// segments: same size and stream, same bytes allocated, same sizes just before it)
-    pub num_recalled: u64,
-    /// free pages unmapped first because their memory lingers where the next map goes (a
-    /// page moved home costs no driver call)
-    pub num_homes: u64,
     /// allocations that moved pages (mapped beyond the allowance, so free pages elsewhere were
     /// unmapped first)
     pub num_page_moves: u64,
@@ -273,8 +267,6 @@ impl Stats {
         self.num_ordered_unmaps += o.num_ordered_unmaps;
         self.num_cross_stream_moves += o.num_cross_stream_moves;
         self.num_cross_stream_blocks += o.num_cross_stream_blocks;
-        self.num_recalled += o.num_recalled;
-        self.num_homes += o.num_homes;
         self.num_page_moves += o.num_page_moves;
         self.num_pressure_moves += o.num_pressure_moves;
         self.page_move_ns += o.page_move_ns;
@@ -418,8 +410,6 @@ pub(crate) struct HotStats {
     pub(crate) num_ordered_unmaps: u64,
     pub(crate) num_cross_stream_moves: u64,
     pub(crate) num_cross_stream_blocks: u64,
-    pub(crate) num_recalled: u64,
-    pub(crate) num_homes: u64,
     pub(crate) num_page_moves: u64,
     pub(crate) num_pressure_moves: u64,
     pub(crate) page_map_ns: u64,
@@ -486,12 +476,6 @@ impl HotStats {
 
     pub(crate) fn allocated(&self) -> u64 {
         self.allocated_bytes.current()
-    }
-
-    /// Bytes requested by the blocks handed out now (unlike `allocated`, it does not depend
-    /// on how blocks were split).
-    pub(crate) fn requested(&self) -> u64 {
-        self.requested_bytes.current()
     }
 
     pub(crate) fn reset_peak(&mut self) {
@@ -591,8 +575,6 @@ impl HotStats {
             num_ordered_unmaps: self.num_ordered_unmaps,
             num_cross_stream_moves: self.num_cross_stream_moves,
             num_cross_stream_blocks: self.num_cross_stream_blocks,
-            num_recalled: self.num_recalled,
-            num_homes: self.num_homes,
             num_page_moves: self.num_page_moves,
             num_pressure_moves: self.num_pressure_moves,
             page_map_ns: self.page_map_ns,

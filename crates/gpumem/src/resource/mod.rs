@@ -215,12 +215,6 @@ pub trait VirtualMemory: Send + Sync {
     fn finish_move(&self, stream: Stream) {
         let _ = stream;
     }
-    /// Live pages whose memory lingers at unmapped pages of `[addr, addr + bytes)`: moving
-    /// them there would cost no driver call. By default none.
-    fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
-        let _ = (addr, bytes);
-        Vec::new()
-    }
     /// Give back whatever physical memory the resource keeps beyond the mapped pages, once
     /// pending unmaps are done (emptying the cache).
     fn trim(&self) {}

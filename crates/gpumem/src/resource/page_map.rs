@@ -19,8 +19,7 @@
 //! [`CHURNY`] times in a row is "churny": once the handle lingering there goes live elsewhere,
 //! the stale mapping is handed to the engine to unmap off the allocating thread
 //! ([`PageMap::take_stale`]). The handle is remembered (a ghost): if a later map there finds
-//! it free, the guess was wrong, the address takes it back and is no longer churny; and a
-//! recalled placement still moves it home ([`PageMap::homes`]).
+//! it free, the guess was wrong, the address takes it back and is no longer churny.
 //!
 //! A handle may be mapped at several addresses at once (the driver allows it); only one of
 //! them is live (a page of the pool), the others linger and nothing touches them.
@@ -346,26 +345,6 @@ impl PageMap {
             }
         }
         None
-    }
-
-    /// The live pages whose handle lingers at the unmapped pages of `[addr, addr + bytes)`
-    /// (sorted): moved away first (their handles kept for the mapping stream, or spare), they
-    /// let a map of the range reuse its lingering memory with no driver call.
-    pub fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
-        // (a stale page unmapped in the background counts too: its memory goes back there)
-        let mut out: Vec<DevPtr> = self
-            .pages(addr, bytes)
-            .filter_map(|p| {
-                self.linger
-                    .get(&p)
-                    .map(|l| l.handle)
-                    .or(self.ghost.get(&p).copied())
-            })
-            .filter_map(|h| self.live_at.get(&h).copied())
-            .collect();
-        out.sort_unstable();
-        out.dedup();
-        out
     }
 
     fn set_live(&mut self, p: DevPtr, h: Hid) {
@@ -826,30 +805,6 @@ mod tests {
     }
 
     #[test]
-    fn homes_are_the_live_pages_whose_memory_lingers_in_a_range() {
-        let mut m = PageMap::new(P);
-        let mut next = 0;
-        map(&mut m, A, 4, 7, &mut next);
-        assert!(
-            m.homes(A, 4 * P).is_empty(),
-            "live pages have no home elsewhere"
-        );
-        // A's pages move to B: A's addresses linger with the handles now live at B
-        m.detach(A, 4 * P, Some(7), None);
-        map(&mut m, B, 4, 7, &mut next);
-        m.finish_move(7);
-        let mut homes = m.homes(A, 4 * P);
-        homes.sort_unstable();
-        assert_eq!(homes, (0..4).map(|i| B + i * P).collect::<Vec<_>>());
-        assert_eq!(m.homes(A + 2 * P, P).len(), 1);
-        // moved home (B unmapped first): A reuses them with no call; now B's memory is at A
-        m.detach(B, 4 * P, Some(7), None);
-        assert_eq!(map(&mut m, A, 4, 7, &mut next), [4, 0, 0, 0]);
-        assert!(m.homes(A, 4 * P).is_empty(), "A is live");
-        assert_eq!(m.homes(B, 4 * P).len(), 4);
-    }
-
-    #[test]
     fn an_address_whose_memory_never_comes_back_is_unmapped_off_the_allocating_thread() {
         let mut m = PageMap::new(P);
         let mut next = 0;
@@ -876,8 +831,7 @@ mod tests {
         assert!(m.unmapping_in(A, P));
         m.unmapped_evictions(&stale);
         assert!(!m.unmapping_in(A, P));
-        // the next map at A has nothing to unmap; its memory would still go home
-        assert_eq!(m.homes(A, P), vec![elsewhere[2]]);
+        // the next map at A has nothing to unmap
         assert_eq!(map(&mut m, A, 1, 7, &mut next), [0, 0, 1, 1]);
         // a guess that was wrong: A's old memory is free when A is mapped again, so A takes it
         // and repeats from then on (its mapping lingers again)

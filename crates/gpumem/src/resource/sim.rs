@@ -441,10 +441,6 @@ impl VirtualMemory for SimulatedDevice {
         Ok(())
     }
 
-    fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
-        self.state.lock().pages.homes(addr, bytes)
-    }
-
     fn finish_move(&self, stream: Stream) {
         let mut s = self.state.lock();
         s.move_event = None;

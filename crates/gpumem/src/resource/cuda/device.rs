@@ -192,12 +192,6 @@ impl VirtualMemory for CudaDevice {
         self.pages()?.unmap(addr, bytes)
     }
 
-    fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
-        self.pages
-            .as_ref()
-            .map_or_else(Vec::new, |p| p.homes(addr, bytes))
-    }
-
     fn finish_move(&self, stream: Stream) {
         if let Some(p) = &self.pages {
             p.finish_move(stream);

@@ -449,11 +449,6 @@ impl Pages {
         Ok(())
     }
 
-    /// See [`PageMap::homes`].
-    pub(super) fn homes(&self, addr: DevPtr, bytes: u64) -> Vec<DevPtr> {
-        self.state.lock().map.homes(addr, bytes)
-    }
-
     /// A move for `stream` is done: what it unmapped and did not map again is spare.
     pub(super) fn finish_move(&self, stream: Stream) {
         let excess = {
