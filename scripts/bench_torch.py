@@ -3,6 +3,7 @@
 
     python scripts/bench_torch.py [--workloads gpt,varlen,resnet,kv,mixed]
                                   [--settings native,expandable,async,gpumem] [--json out.json]
+    python scripts/bench_torch.py --capacity [gptfix,varlen,lora] --cap-gb 16 --steps 10
 
 Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
 `expandable` is PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, `async` is
@@ -29,6 +30,12 @@ Workloads (seeded; bf16 autocast where training):
           grown by torch.cat, up to 8 in flight (time: whole run)
   streams two decoders (d=1024 x 6 layers, d=768 x 8) trained side by side on two streams,
           sequence length drawn per step (256..1024), AdamW
+
+Capacity (--capacity): the largest batch each setting runs for --steps steps with --cap-gb of
+the device free (the rest taken with cuMemAlloc outside every allocator before the job), each
+try a fresh process, on gptfix (batch x 1024 tokens), varlen (the gpt job at batch B with a
+length drawn per step) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
+decoder, rank-16 adapters on q and v, every block checkpointed, batch x 1024 tokens).
 """
 import argparse
 import json
@@ -596,11 +603,12 @@ def run_probe(job, setting, batch, steps, cap, here):
     return json.loads(line[-1][len("PROBE "):])
 
 
-def capacity(jobs, settings, steps, cap, out_json):
+def capacity(jobs, settings, steps, cap, out_json, first=None):
     """For each job and setting, the largest batch that runs `steps` steps without an
     out-of-memory error with `cap` bytes of the device free, each try a fresh process. Native
     is searched first (up by a quarter until it fails, then by bisection); every other setting
-    starts at native's largest batch and searches up or down from there."""
+    starts at native's largest batch (or `first`, where native is not run) and searches up or
+    down from there by one."""
     here = os.path.dirname(os.path.abspath(__file__))
     results = []
     table = []
@@ -618,34 +626,35 @@ def capacity(jobs, settings, steps, cap, out_json):
                           + (f"ok   {r.get('step_ms', 0):8.1f} ms" if r["ok"] else
                              "OOM" if "oom" in r else "error: " + r.get("error", "")[-300:])
                           + (f"  pressure moves {r['num_pressure_moves']}, page work "
-                             f"{r.get('page_map_ns', 0) / 1e6 / max(r.get('steps', 1), 1):.1f} ms/step"
+                             f"{r.get('page_map_ns', 0) / 1e6:.0f} ms in all"
                              if "num_pressure_moves" in r else ""),
                           file=sys.stderr, flush=True)
                 return tried[b]["ok"]
 
-            start = native_best or CAPACITY_JOBS[job][1]
+            known = native_best or first
+            start = known or CAPACITY_JOBS[job][1]
             lo, hi = 0, None  # largest passing, smallest failing
             b = start
             if ok(b):
                 lo = b
-                step = 1 if native_best else max(1, b // 4)
+                step = 1 if known else max(1, b // 4)
                 while hi is None and b < 4096:
                     b = lo + step
                     if ok(b):
                         lo = b
-                        step = step if native_best else max(1, b // 4)
+                        step = step if known else max(1, b // 4)
                     else:
                         hi = b
             else:
                 hi = b
-                step = 1 if native_best else max(1, b // 4)
+                step = 1 if known else max(1, b // 4)
                 while lo == 0 and b > 1:
                     b = max(1, hi - step)
                     if ok(b):
                         lo = b
                     else:
                         hi = b
-                        step = step if native_best else max(1, b // 4)
+                        step = step if known else max(1, b // 4)
             while hi is not None and hi - lo > 1:
                 mid = (lo + hi) // 2
                 if ok(mid):
@@ -696,6 +705,7 @@ def main():
                    help="capacity benchmark instead: the largest batch each setting runs with "
                    "--cap-gb of the device free (jobs: " + ",".join(CAPACITY_JOBS) + ")")
     p.add_argument("--cap-gb", type=float, default=16.0, help="device memory left free (GiB)")
+    p.add_argument("--first", type=int, help="capacity: the first batch tried where native is not run")
     p.add_argument("--probe", nargs=3, metavar=("JOB", "SETTING", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -705,7 +715,7 @@ def main():
         probe(a.probe[0], a.probe[1], int(a.probe[2]), a.steps, int(a.cap_gb * 2**30))
         return 0
     if a.capacity:
-        capacity(a.capacity.split(","), a.settings.split(","), a.steps, int(a.cap_gb * 2**30), a.json)
+        capacity(a.capacity.split(","), a.settings.split(","), a.steps, int(a.cap_gb * 2**30), a.json, a.first)
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
     results = []
