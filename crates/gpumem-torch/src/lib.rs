@@ -695,6 +695,35 @@ pub extern "C" fn gpumem_set_memory_fraction(fraction: f64, device: c_int) -> c_
     })
 }
 
+/// `torch.cuda.memory._set_allocator_settings(settings)`: the run-time settings
+/// (`max_split_size_mb`, `roundup_power2_divisions`, `garbage_collection_threshold`) of every
+/// device's allocator made so far (see `CachingAllocator::set_runtime_settings`); 0 on
+/// success, -1 if the string does not parse (nothing changes then).
+///
+/// # Safety
+/// `settings` is a NUL-terminated string, or null (an error).
+#[no_mangle]
+pub unsafe extern "C" fn gpumem_set_allocator_settings(settings: *const c_char) -> c_int {
+    if settings.is_null() {
+        return -1;
+    }
+    // SAFETY: the caller passes a NUL-terminated string, read only during this call.
+    let s = unsafe { std::ffi::CStr::from_ptr(settings) }
+        .to_string_lossy()
+        .into_owned();
+    guard(-1, || {
+        // the same string parses the same for every device: the first error changes nothing
+        let devices = state().devices.iter().flat_map(|set| set.made());
+        for d in devices {
+            if let Err(e) = d.set_runtime_settings(&s) {
+                eprintln!("gpumem: allocator settings {s:?}: {e}");
+                return -1;
+            }
+        }
+        0
+    })
+}
+
 /// Record that `stream` uses the block at `ptr` (`Tensor.record_stream`); 0 on success.
 #[no_mangle]
 pub extern "C" fn gpumem_record_stream(

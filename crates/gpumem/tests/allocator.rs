@@ -436,3 +436,31 @@ fn memory_pressure_moves_pages_whatever_the_time_budget() {
     a.deallocate(z).unwrap();
     a.deallocate(w).unwrap();
 }
+
+/// PyTorch's `_set_allocator_settings` at run time: the string's rounding applies to later
+/// requests, a later string without it puts the default back, and a bad string is an error
+/// that changes nothing.
+#[test]
+fn runtime_settings_change_rounding_and_a_bad_string_changes_nothing() {
+    let a = host();
+    let size = |a: &Device, bytes: u64| {
+        let before = a.stats().allocated_bytes.all.current;
+        let p = a.allocate_ptr(S, bytes as usize, 256).unwrap();
+        let got = a.stats().allocated_bytes.all.current - before;
+        a.deallocate_ptr(p).unwrap();
+        got
+    };
+    let n = 84 * MIB; // between 64 and 128 MiB: four divisions round it to 96 MiB
+    assert_eq!(size(&a, n), n);
+    a.set_runtime_settings("roundup_power2_divisions:4")
+        .unwrap();
+    assert_eq!(size(&a, n), 96 * MIB);
+    assert!(a
+        .set_runtime_settings("roundup_power2_divisions:3")
+        .is_err());
+    assert!(a.set_runtime_settings("no_such_key:1").is_err());
+    assert_eq!(size(&a, n), 96 * MIB, "unchanged by bad strings");
+    a.set_runtime_settings("garbage_collection_threshold:0.5,max_split_size_mb:40")
+        .unwrap();
+    assert_eq!(size(&a, n), n, "rounding back to its default");
+}

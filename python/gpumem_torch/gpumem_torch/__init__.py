@@ -65,6 +65,8 @@ def _load():
         lib.gpumem_empty_cache.restype = ctypes.c_uint64
         lib.gpumem_set_memory_fraction.restype = ctypes.c_int
         lib.gpumem_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+        lib.gpumem_set_allocator_settings.restype = ctypes.c_int
+        lib.gpumem_set_allocator_settings.argtypes = [ctypes.c_char_p]
         lib.gpumem_record_stream.restype = ctypes.c_int
         lib.gpumem_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.gpumem_reset_peak.argtypes = [ctypes.c_int]
@@ -122,6 +124,7 @@ def install(native=None) -> None:
         native = None if env == "" else env != "0"
     path = library_path()
     _load()
+    _hook_settings(torch)
     if native is not False:
         from . import native as _native
 
@@ -141,6 +144,42 @@ def install(native=None) -> None:
             )
     alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gpumem_alloc", "gpumem_free")
     torch.cuda.memory.change_current_allocator(alloc)
+
+
+# the settings PyTorch's allocator takes at run time (the others apply when it is built)
+_RUNTIME_KEYS = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold")
+
+
+def _runtime_settings(env: str) -> str:
+    """The run-time keys of an allocator settings string (commas inside [...] kept)."""
+    parts, depth, cur = [], 0, ""
+    for ch in env:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return ",".join(p.strip() for p in parts if p.split(":", 1)[0].strip() in _RUNTIME_KEYS)
+
+
+def _hook_settings(torch) -> None:
+    """torch.cuda.memory._set_allocator_settings reaches gpumem too, as it reaches PyTorch's
+    allocator: rounding, max split size and the garbage collection threshold at run time."""
+    mem = torch.cuda.memory
+    orig = getattr(mem, "_set_allocator_settings", None)
+    if orig is None or getattr(orig, "_gpumem", False):
+        return
+
+    def _set_allocator_settings(env: str):
+        result = orig(env)  # PyTorch's parser first: its errors stay its own
+        if _load().gpumem_set_allocator_settings(_runtime_settings(env).encode()) != 0:
+            raise RuntimeError(f"gpumem: cannot apply the allocator settings {env!r}")
+        return result
+
+    _set_allocator_settings._gpumem = True
+    mem._set_allocator_settings = _set_allocator_settings
 
 
 def memory_stats(device=None) -> dict:

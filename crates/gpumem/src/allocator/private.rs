@@ -323,6 +323,12 @@ impl CachingAllocator {
         }
     }
 
+    pub(super) fn private_set_runtime_settings(&self, config: &crate::Config) {
+        for p in self.inner.private.lock().iter_mut() {
+            p.pool.set_runtime_settings(config);
+        }
+    }
+
     pub(super) fn private_empty_cache(&self) -> u64 {
         let mut n = 0;
         for p in self.inner.private.lock().iter_mut() {

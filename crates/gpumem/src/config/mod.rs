@@ -67,8 +67,10 @@ impl Power2Divisions {
                     .ok()
                     .filter(|&mb| mb.is_power_of_two() && mb <= 1 << 30)
                     .ok_or("interval sizes must be powers of two (MB) up to 2^30")?;
-                // PyTorch's interval "256" covers sizes up to 256 MB: it starts at 128 MB.
-                (mb * MIB) / 2
+                // PyTorch's interval "64" covers the sizes whose highest bit is 64 MB's: from
+                // 64 MB up to 128 MB (its own test_allocator_settings gives 84 MB the "64"
+                // key's divisions; its documentation says "under 64 MB")
+                mb * MIB
             };
             if intervals.last().is_some_and(|&(s, _)| s >= start) {
                 return Err("intervals must be increasing".into());
@@ -216,11 +218,11 @@ impl std::fmt::Display for Power2Divisions {
             [] => write!(f, "0"),
             [(0, d)] => write!(f, "{d}"),
             all => {
-                // an interval starting at s is PyTorch's "2s MB"; the first starts at 0 and
+                // an interval starting at s is PyTorch's "s MB"; the first starts at 0 and
                 // is written as half of the next one's bound
                 let bound = |i: usize| match all.get(i) {
-                    Some(&(s, _)) if i > 0 => 2 * s / MIB,
-                    _ => all.get(1).map_or(1, |&(s, _)| (2 * s / MIB / 2).max(1)),
+                    Some(&(s, _)) if i > 0 => s / MIB,
+                    _ => all.get(1).map_or(1, |&(s, _)| (s / MIB / 2).max(1)),
                 };
                 let parts: Vec<String> = (0..all.len())
                     .map(|i| format!("{}:{}", bound(i), all[i].1))
@@ -340,9 +342,15 @@ mod tests {
     fn parses_division_intervals() {
         let c = Config::parse("roundup_power2_divisions:[256:1,512:2,>:8],shards:2").unwrap();
         let d = &c.pool.roundup_power2_divisions;
+        // as PyTorch's code reads them: "256" from 256 MB (and the first one below it too),
+        // "512" from 512 MB, ">" from 1 GB
         assert_eq!(d.for_size(1 << 20), 1);
-        assert_eq!(d.for_size(300 * MIB), 2);
+        assert_eq!(d.for_size(300 * MIB), 1);
+        assert_eq!(d.for_size(600 * MIB), 2);
         assert_eq!(d.for_size(4 << 30), 8);
+        // PyTorch's test_allocator_settings: 84 MB takes the "64" key's divisions
+        let p = Power2Divisions::parse("[64:8,128:2,256:2,512:2,1024:1,>:1]").unwrap();
+        assert_eq!(p.for_size(84 * MIB), 8);
         assert_eq!(c.shards, Some(2));
     }
 

@@ -337,6 +337,15 @@ impl CachingPool {
         }
     }
 
+    /// Take the settings PyTorch changes at run time (`_set_allocator_settings`) from `config`:
+    /// `max_split_size_mb`, `roundup_power2_divisions`, `garbage_collection_threshold`. Blocks
+    /// already cached keep their sizes; later requests follow the new settings.
+    pub fn set_runtime_settings(&mut self, config: &Config) {
+        self.policy.max_split = config.pool.max_split_size.unwrap_or(u64::MAX);
+        self.policy.divisions = config.pool.roundup_power2_divisions.clone();
+        self.policy.gc_threshold = config.pool.garbage_collection_threshold;
+    }
+
     /// True when this pool uses expandable (virtual-memory) segments.
     pub fn expandable(&self) -> bool {
         self.policy.page.is_some()
