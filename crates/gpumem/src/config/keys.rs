@@ -138,7 +138,7 @@ pub const KEYS: &[Key] = &[
     Key {
         name: "roundup_power2_divisions",
         value: "`N` or `[256:1,512:2,>:4]` (N: 0 or a power of two ≤ 64)",
-        meaning: "round sizes up to N steps per power of two, per size interval (PyTorch)",
+        meaning: "round sizes up to N steps per power of two, per size interval as PyTorch's code reads them (`256:1` from 256 MB, and below it as the first; `512:2` from 512 MB; `>` beyond); also at run time through `torch.cuda.memory._set_allocator_settings`, with `max_split_size_mb` and `garbage_collection_threshold` (PyTorch)",
         set: |c, v| {
             c.pool.roundup_power2_divisions = Power2Divisions::parse(v)?;
             Ok(())
