@@ -584,7 +584,8 @@ def probe(job, setting, batch, steps, cap):
     print("PROBE " + json.dumps(out), flush=True)
 
 
-def run_probe(job, setting, batch, steps, cap, here):
+def child_env(setting, here):
+    """The environment of a fresh process running `setting` (`here`: this script's folder)."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.update(setting_env(setting))
@@ -592,6 +593,11 @@ def run_probe(job, setting, batch, steps, cap, here):
     if setting.startswith("gpumem"):
         pkg = os.path.join(here, "..", "python", "gpumem_torch")
         env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_probe(job, setting, batch, steps, cap, here):
+    env = child_env(setting, here)
     cmd = [sys.executable, os.path.abspath(__file__), "--probe", job, setting, str(batch),
            "--steps", str(steps), "--cap-gb", str(cap / 2**30)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -721,13 +727,7 @@ def main():
     results = []
     for w in a.workloads.split(","):
         for s in a.settings.split(","):
-            env = dict(os.environ)
-            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-            env.update(setting_env(s))
-            env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-            if s.startswith("gpumem"):
-                pkg = os.path.join(here, "..", "python", "gpumem_torch")
-                env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+            env = child_env(s, here)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", w, s, "--steps", str(a.steps)]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]

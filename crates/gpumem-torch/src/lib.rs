@@ -712,13 +712,16 @@ pub unsafe extern "C" fn gpumem_set_allocator_settings(settings: *const c_char) 
         .to_string_lossy()
         .into_owned();
     guard(-1, || {
-        // the same string parses the same for every device: the first error changes nothing
-        let devices = state().devices.iter().flat_map(|set| set.made());
-        for d in devices {
-            if let Err(e) = d.set_runtime_settings(&s) {
+        // parsed once, before any device changes: a bad string changes nothing
+        let config = match Config::parse(&s) {
+            Ok(c) => c,
+            Err(e) => {
                 eprintln!("gpumem: allocator settings {s:?}: {e}");
                 return -1;
             }
+        };
+        for d in state().devices.iter().flat_map(|set| set.made()) {
+            d.set_runtime_settings(&config);
         }
         0
     })

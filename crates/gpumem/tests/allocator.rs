@@ -452,15 +452,12 @@ fn runtime_settings_change_rounding_and_a_bad_string_changes_nothing() {
     };
     let n = 84 * MIB; // between 64 and 128 MiB: four divisions round it to 96 MiB
     assert_eq!(size(&a, n), n);
-    a.set_runtime_settings("roundup_power2_divisions:4")
-        .unwrap();
+    let set = |s: &str| Config::parse(s).map(|c| a.set_runtime_settings(&c));
+    set("roundup_power2_divisions:4").unwrap();
     assert_eq!(size(&a, n), 96 * MIB);
-    assert!(a
-        .set_runtime_settings("roundup_power2_divisions:3")
-        .is_err());
-    assert!(a.set_runtime_settings("no_such_key:1").is_err());
+    assert!(set("roundup_power2_divisions:3").is_err());
+    assert!(set("no_such_key:1").is_err());
     assert_eq!(size(&a, n), 96 * MIB, "unchanged by bad strings");
-    a.set_runtime_settings("garbage_collection_threshold:0.5,max_split_size_mb:40")
-        .unwrap();
+    set("garbage_collection_threshold:0.5,max_split_size_mb:40").unwrap();
     assert_eq!(size(&a, n), n, "rounding back to its default");
 }

@@ -557,18 +557,16 @@ impl CachingAllocator {
         Ok(())
     }
 
-    /// PyTorch's run-time allocator settings (`torch.cuda.memory._set_allocator_settings`):
-    /// the string is parsed as a configuration, and its `max_split_size_mb`,
+    /// PyTorch's run-time allocator settings (`torch.cuda.memory._set_allocator_settings`,
+    /// parsed with [`Config::parse`](crate::Config::parse)): `config`'s `max_split_size_mb`,
     /// `roundup_power2_divisions` and `garbage_collection_threshold` replace the pools' (each
-    /// back to its default where the string names none, as PyTorch resets them). Other keys
-    /// must parse but apply only when an allocator is built. A bad string changes nothing.
-    pub fn set_runtime_settings(&self, settings: &str) -> Result<()> {
-        let config = crate::Config::parse(settings)?;
+    /// back to its default where the string named none, as PyTorch resets them). Other keys
+    /// apply only when an allocator is built.
+    pub fn set_runtime_settings(&self, config: &crate::Config) {
         for j in 0..self.inner.shards.len() {
-            self.shard(j).set_runtime_settings(&config);
+            self.shard(j).set_runtime_settings(config);
         }
-        self.private_set_runtime_settings(&config);
-        Ok(())
+        self.private_set_runtime_settings(config);
     }
 
     /// Largest free cached block over all shards (see [`CachingPool::largest_free_block`]).
