@@ -5,8 +5,9 @@
 //! - `'c'` (a classic segment): the driver's 64-byte IPC handle, exactly as PyTorch's own
 //!   allocator writes it, so a receiver that runs PyTorch's allocator opens it too;
 //! - `'g'` (gpumem's virtual-memory pages): the sender's process id (i32), the page size
-//!   (u64), the number of pages (u64) and one file descriptor per page (i32 each), all
-//!   little-endian; the receiver (gpumem) duplicates the descriptors with `pidfd_getfd`.
+//!   (u64), the number of physical handles (u64) and, per handle in address order, its file
+//!   descriptor (i32) and its pages (u32), all little-endian; the receiver (gpumem)
+//!   duplicates the descriptors with `pidfd_getfd` and maps the handles side by side.
 //!
 //! The sender keeps a page export's descriptors open until the block is freed (PyTorch keeps
 //! the block allocated until every receiver has let it go). The receiver opens each handle
@@ -26,7 +27,7 @@ const SEGMENT: u8 = b'c';
 const PAGES: u8 = b'g';
 
 /// An export: its handle, the block's offset in it, the page descriptors kept open.
-type Export = (Vec<u8>, i64, Vec<OwnedFd>);
+type Export = (Vec<u8>, i64, Vec<(OwnedFd, u64)>);
 /// Exports by block address.
 static EXPORTED: Mutex<Option<HashMap<u64, Export>>> = Mutex::new(None);
 static ANY_EXPORTED: AtomicBool = AtomicBool::new(false);
@@ -78,8 +79,9 @@ fn encode(e: &IpcExport) -> (Vec<u8>, i64) {
             v.extend_from_slice(&(std::process::id() as i32).to_le_bytes());
             v.extend_from_slice(&page.to_le_bytes());
             v.extend_from_slice(&(fds.len() as u64).to_le_bytes());
-            for fd in fds {
+            for (fd, pages) in fds {
                 v.extend_from_slice(&fd.as_raw_fd().to_le_bytes());
+                v.extend_from_slice(&(*pages as u32).to_le_bytes());
             }
             (v, *offset as i64)
         }
@@ -245,20 +247,26 @@ fn open(device: c_int, h: &[u8]) -> Result<u64, String> {
             let page = u64::from_le_bytes(rest[4..12].try_into().unwrap_or_default());
             let n = u64::from_le_bytes(rest[12..20].try_into().unwrap_or_default());
             let fds = &rest[20..];
-            if n == 0 || fds.len() as u64 != n * 4 {
+            if n == 0 || n > 1 << 24 || fds.len() as u64 != n * 8 {
                 return Err(format!(
-                    "malformed page handle ({n} pages, {} bytes)",
+                    "malformed page handle ({n} handles, {} bytes)",
                     fds.len()
                 ));
             }
-            let fds: Vec<i32> = fds
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            let fds: Vec<(i32, u64)> = fds
+                .chunks_exact(8)
+                .map(|c| {
+                    (
+                        i32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                        u64::from(u32::from_le_bytes([c[4], c[5], c[6], c[7]])),
+                    )
+                })
                 .collect();
+            let pages: u64 = fds.iter().map(|f| f.1).sum();
             let p = ipc
                 .import_pages(pid, &fds, page)
                 .map_err(|e| e.to_string())?;
-            (p, n * page)
+            (p, pages * page)
         }
         [v, k, ..] => {
             return Err(format!(

@@ -352,8 +352,8 @@ fn active_peaks_follow_current_without_deferred_frees() {
     a.deallocate(x).unwrap();
 }
 
-/// A job whose layout drifts every step (sizes drawn per step, 40 ms a step): moving pages
-/// would be needed on every step. The moves' time on the device's clock (the simulator's: what
+/// A job whose layout drifts every step (sizes drawn per step, 4 ms a step): moving pages
+/// would be needed on every step, and costs more than 1% of a step. The moves' time on the device's clock (the simulator's: what
 /// their calls would cost on an H100) stays within 1% of the elapsed time plus the budget's
 /// cap and one move; once they overdraw it they stop for good, and the job maps and keeps: no
 /// driver call in its last steps.
@@ -366,7 +366,7 @@ fn page_moves_stay_within_the_time_budget_then_stop() {
         d.calls().foreground
     };
     let mut r = SplitMix::new(11);
-    let (steps, step_us) = (200u64, 40_000u64);
+    let (steps, step_us) = (1000u64, 4_000u64);
     let mut last_calls = 0;
     for step in 0..steps {
         dev.set_time_us(step * step_us);
@@ -416,23 +416,24 @@ fn page_moves_stay_within_the_time_budget_then_stop() {
 #[test]
 fn memory_pressure_moves_pages_whatever_the_time_budget() {
     let (a, _dev) =
-        Device::simulated(1 << 40, Config::parse("memory_limit_mb:1400").unwrap()).unwrap();
-    // the clock stands still: a first move (x's 400 MiB of pages to z) overdraws the budget
-    let x = a.allocate(S, (400 * MIB) as usize, 256).unwrap();
-    let y = a.allocate(S, (300 * MIB) as usize, 256).unwrap();
+        Device::simulated(1 << 40, Config::parse("memory_limit_mb:70000").unwrap()).unwrap();
+    // the clock stands still: a first move (x's 20000 MiB of pages, 313 handles, to z)
+    // overdraws the budget
+    let x = a.allocate(S, (20000 * MIB) as usize, 256).unwrap();
+    let y = a.allocate(S, (15000 * MIB) as usize, 256).unwrap();
     a.deallocate(x).unwrap();
-    let z = a.allocate(S, (500 * MIB) as usize, 256).unwrap();
+    let z = a.allocate(S, (25000 * MIB) as usize, 256).unwrap();
     let s = a.stats();
     assert!(s.num_page_moves >= 1 && s.num_move_stops == 1, "{s:?}");
     assert_eq!(s.num_pressure_moves, 0);
-    // y's pages are free and mapped, below z; 800 MiB fit in no free block: growing would
-    // reserve 1600 MiB, past the budget, so pages move although moves are stopped
+    // y's pages are free and mapped, below z; 40000 MiB fit in no free block: growing would
+    // reserve 80000 MiB, past the budget, so pages move although moves are stopped
     a.deallocate(y).unwrap();
-    let w = a.allocate(S, (800 * MIB) as usize, 256).unwrap();
+    let w = a.allocate(S, (40000 * MIB) as usize, 256).unwrap();
     let s = a.stats();
     assert!(s.num_pressure_moves >= 1, "{s:?}");
     assert_eq!(s.num_ooms, 0);
-    assert!(s.reserved_bytes.all.peak <= 1400 * MIB);
+    assert!(s.reserved_bytes.all.peak <= 70000 * MIB);
     a.deallocate(z).unwrap();
     a.deallocate(w).unwrap();
 }

@@ -419,8 +419,9 @@ fn pages_move_under_a_running_kernel(
     let (stats, after) = (a.stats(), vmm.calls());
     assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
     assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
+    // (mappings made with kept handles: x's 32 pages are one or two handles)
     assert!(
-        after.aliased - before.aliased >= 30,
+        after.aliased - before.aliased >= 1,
         "x's memory backs y: {after:?}"
     );
     assert!(

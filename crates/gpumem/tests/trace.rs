@@ -272,28 +272,27 @@ fn synthetic(kind: gpumem::trace::synthetic::Kind, bound: f64) {
 
 // The workload kinds: real PyTorch traces (shared, and recorded on an H100 with
 // scripts/record_torch_trace.py) and synthetic patterns. Each bound is the best of PyTorch's
-// own settings where gpumem's budgeted policy is within it (the trace README's and the
-// README's real-run figures: gpt_train cudaMallocAsync 1.082 and expandable segments 1.105,
-// resnet50 expandable 1.017, varlen 1.069, MoE 1.087, resres 1.025), else the figure measured
-// on this code, marked as above PyTorch's (issue 31's memory target, not met there). The
-// synthetic kinds' bounds are measured (seed 7; 50 µs an event).
+// own settings (the trace README's and the README's real-run figures: gpt_train
+// cudaMallocAsync 1.082 and expandable segments 1.105, resnet50 expandable 1.017, KV decoding
+// expandable 1.036, varlen 1.069, MoE 1.087, resres 1.025): since handles span runs of pages,
+// gpumem's budgeted policy is within every one. The synthetic kinds' bounds are measured
+// (seed 7; 50 µs an event).
 #[test]
 fn fixed_shape_transformer_training() {
-    // above cudaMallocAsync's 1.082 (below expandable segments' 1.105) with no GPU lag; 1.070
-    // with the GPU 300 calls behind (`real_traces_with_a_lagging_gpu`)
-    real("gpt_train.jsonl.gz", 1.091);
+    // 1.020 measured (cudaMallocAsync 1.082, expandable segments 1.105)
+    real("gpt_train.jsonl.gz", 1.082);
 }
 
 #[test]
 fn convnet_training() {
-    // above expandable segments' 1.017 (1.015 with a lagging GPU)
-    real("resnet50_train.jsonl.gz", 1.021);
+    // 1.014 measured (expandable segments 1.017)
+    real("resnet50_train.jsonl.gz", 1.017);
 }
 
 #[test]
 fn pytorch_kv_cache_decoding() {
-    // above expandable segments' 1.036 in a real run (native 1.503)
-    real("torch_kv_decode.jsonl.gz", 1.083);
+    // 1.028 measured (expandable segments 1.036 in a real run, native 1.503)
+    real("torch_kv_decode.jsonl.gz", 1.036);
 }
 
 #[test]
@@ -460,13 +459,15 @@ fn pytorch_resnet_variable_resolution() {
 #[test]
 fn real_traces_with_a_lagging_gpu() {
     let cases = [
-        ("gpt_train.jsonl.gz", 1.091),
-        ("resnet50_train.jsonl.gz", 1.021),
-        ("torch_varlen_train.jsonl.gz", 1.093),
-        ("torch_kv_decode.jsonl.gz", 1.099),
+        ("gpt_train.jsonl.gz", 1.082),
+        // 1.0195 with the GPU 300 calls behind: above expandable segments' 1.017
+        ("resnet50_train.jsonl.gz", 1.02),
+        ("torch_varlen_train.jsonl.gz", 1.069),
+        ("torch_kv_decode.jsonl.gz", 1.036),
         ("torch_moe_train.jsonl.gz", 1.087),
-        ("torch_moe16_train.jsonl.gz", 1.134),
-        ("torch_resres_train.jsonl.gz", 1.02),
+        // 1.094 with the GPU 300 calls behind: above expandable segments' 1.087
+        ("torch_moe16_train.jsonl.gz", 1.095),
+        ("torch_resres_train.jsonl.gz", 1.025),
         ("torch_serve.jsonl.gz", 1.09),
     ];
     for (name, bound) in cases {
@@ -498,12 +499,11 @@ fn real_traces_with_a_lagging_gpu() {
     }
 }
 
-/// `expandable_page_mb` makes each page (one physical handle) that many bytes: setting access
-/// and unmapping cost per handle (measured on the H100), so larger pages cut the page calls
-/// of a training job several times (with the time budget, memory need not rise: 1.017 at
-/// 8 MiB against 1.020 at 2 MiB here).
+/// A run of pages a block needs is one physical handle (up to 32 pages): setting access and
+/// unmapping cost per handle (measured on the H100), so a training job maps far fewer handles
+/// than pages; `expandable_page_mb:8` cuts them further at little memory.
 #[test]
-fn larger_pages_mean_fewer_page_calls() {
+fn a_run_of_pages_is_one_handle() {
     let events = read_trace(&data("resnet50_train.jsonl.gz")).unwrap();
     let run = |conf: &str| {
         let r = replay("m", &events, &Config::parse(conf).unwrap(), TIB).unwrap();
@@ -511,45 +511,37 @@ fn larger_pages_mean_fewer_page_calls() {
     };
     let (small, small_ratio) = run("");
     let (large, large_ratio) = run("expandable_page_mb:8");
+    // ~1,550 pages of 2 MiB at the peak (3.0 GiB)
+    assert!(small.maps < 450 && small.creates < 400, "{small:?}");
+    assert!(large.maps < small.maps, "2 MiB {small:?}\n8 MiB {large:?}");
     assert!(
-        large.maps * 3 < small.maps && large.unmaps * 3 < small.unmaps,
-        "2 MiB {small:?}\n8 MiB {large:?}"
-    );
-    assert!(
-        small_ratio < 1.021 && large_ratio < 1.02,
+        small_ratio < 1.017 && large_ratio < 1.02,
         "{small_ratio} {large_ratio}"
     );
 }
 
-/// `gpumem advise` tries page sizes: where 2 MiB pages make the modelled driver time (growth
-/// included) more than 1% of the trace's, a larger page brings it within 1% (gpt: 16 MiB,
-/// 1.076; resnet50: 16 MiB, 1.019). MoE: no page size of the grid is within 1% (16 MiB:
-/// 1.17%), so the advice within 1% is classic segments.
+/// `gpumem advise` tries page sizes: where the default's modelled driver time (growth
+/// included) is more than 1% of the trace's, a larger page brings it within 1% (resnet50:
+/// 8 MiB, 1.017; MoE: 16 MiB, 1.065); on gpt the default already is.
 #[test]
 fn advice_within_the_time_budget_is_a_larger_page_where_one_suffices() {
     use gpumem::trace::advise::advise;
     for (name, page) in [
-        ("gpt_train.jsonl.gz", Some("expandable_page_mb:16")),
-        ("resnet50_train.jsonl.gz", Some("expandable_page_mb:16")),
-        ("torch_moe_train.jsonl.gz", None),
+        ("gpt_train.jsonl.gz", None),
+        ("resnet50_train.jsonl.gz", Some("expandable_page_mb:8")),
+        ("torch_moe_train.jsonl.gz", Some("expandable_page_mb:16")),
     ] {
         let events = read_trace(&data(name)).unwrap();
         let a = advise(name, &events, &[]).unwrap();
-        assert!(!a.candidates[0].within_time_budget, "{name}: 2 MiB pages");
-        let w = &a.candidates[a.best_within_budget.expect("classic segments always are")];
-        match page {
-            Some(p) => {
-                assert_eq!(w.conf, p, "{name}");
-                assert!(w.report.ratio <= 1.08, "{name}: {}", w.report.ratio);
-            }
-            None => {
-                assert_eq!(w.conf, "expandable_segments:False", "{name}");
-                assert!(a
-                    .candidates
-                    .iter()
-                    .filter(|c| c.conf.starts_with("expandable_page_mb"))
-                    .all(|c| !c.within_time_budget));
-            }
+        assert_eq!(
+            a.candidates[0].within_time_budget,
+            page.is_none(),
+            "{name}: 2 MiB pages"
+        );
+        if let Some(p) = page {
+            let w = &a.candidates[a.best_within_budget.expect("classic segments always are")];
+            assert_eq!(w.conf, p, "{name}");
+            assert!(w.report.ratio <= 1.08, "{name}: {}", w.report.ratio);
         }
     }
 }

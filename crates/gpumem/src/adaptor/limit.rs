@@ -134,6 +134,10 @@ impl VirtualMemory for Limit {
         })
     }
 
+    fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
+        self.inner_vmm().ok()?.unit_at(addr)
+    }
+
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner_vmm()?.unmap(addr, bytes)?;
         self.used.fetch_sub(bytes, Ordering::Relaxed);
@@ -190,7 +194,9 @@ mod tests {
         let l = Limit::new(sim.clone(), 1 << 30);
         let v: &dyn VirtualMemory = &l;
         let a = v.reserve_address(8 * P).unwrap();
-        v.map_on(a, 2 * P, Stream(1)).unwrap();
+        // two handles of a page each
+        v.map_on(a, P, Stream(1)).unwrap();
+        v.map_on(a + P, P, Stream(1)).unwrap();
         // two pages move: their memory is stream 1's to map again
         v.unmap_after(a, 2 * P, Stream(1), false).unwrap();
         v.map_on(a + 4 * P, P, Stream(1)).unwrap();

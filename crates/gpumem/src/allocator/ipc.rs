@@ -19,15 +19,15 @@ pub enum IpcExport {
         /// block address minus segment base
         offset: u64,
     },
-    /// The block lies in virtual-memory pages: one descriptor per page over the pages it
-    /// touches (keep them open until the receiver has imported them), and the block's offset
-    /// from the first page.
+    /// The block lies in virtual-memory pages: one descriptor per physical handle under it
+    /// (keep them open until the receiver has imported them), and the block's offset from
+    /// the first handle's address.
     Pages {
-        /// the pages, in address order
-        fds: Vec<OwnedFd>,
+        /// the handles, in address order, each with its pages
+        fds: Vec<(OwnedFd, u64)>,
         /// page size
         page: u64,
-        /// block address minus the first page's address
+        /// block address minus the first handle's address
         offset: u64,
     },
 }
@@ -56,10 +56,11 @@ impl CachingAllocator {
         }
         let start = addr / page * page;
         let end = (addr + size).div_ceil(page) * page;
+        let (base, fds) = ipc.export_pages(start, end - start)?;
         Ok(IpcExport::Pages {
-            fds: ipc.export_pages(start, end - start)?,
+            fds,
             page,
-            offset: ptr - start,
+            offset: ptr - base,
         })
     }
 

@@ -193,7 +193,9 @@ mod tests {
         }
         assert!(!a.check_pressure());
         assert_eq!(a.stats().num_pressure_releases, 0);
-        assert!(a.stats().reserved_bytes.all.current >= 600 * MIB);
+        // (the small pool's page may come from a page move, which unmaps whole handles of the
+        // large blocks' pages, the smallest that serve: tens of MiB, not the cache)
+        assert!(a.stats().reserved_bytes.all.current >= 500 * MIB);
     }
 
     #[test]

@@ -269,7 +269,7 @@ pub const KEYS: &[Key] = &[
     Key {
         name: "expandable_page_mb",
         value: "0 or a power of two of MiB up to 1024 (rounded up to the device's granularity, 2 MiB on current GPUs)",
-        meaning: "bytes of one page of expandable segments: one physical handle, mapped, given access and unmapped as one (each such call costs about the same whatever the page's size; 0 = the granularity)",
+        meaning: "bytes of one page of expandable segments, the unit they map in (a run of pages is one physical handle of up to 32 pages; each driver call costs about the same whatever the handle's size; 0 = the granularity)",
         set: |c, v| {
             let bytes = mib(v, 0, 1024, "0..=1024 (MiB)")?;
             // (address ranges are reserved aligned to a page, which the driver takes only as

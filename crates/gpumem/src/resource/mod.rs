@@ -164,12 +164,18 @@ pub trait Ipc: Send + Sync {
     fn close_segment(&self, ptr: DevPtr) -> Result<()>;
     /// Page size of exported pages.
     fn page_size(&self) -> u64;
-    /// Export the pages mapped at `[addr, addr + bytes)` (page-aligned): one file descriptor
-    /// per page, which must stay open until the receiver has imported them.
-    fn export_pages(&self, addr: DevPtr, bytes: u64) -> Result<Vec<std::os::fd::OwnedFd>>;
-    /// Map the pages process `pid` exported (its descriptors `fds`, pages of `page` bytes) at
-    /// a new address of this process; returns it.
-    fn import_pages(&self, pid: i32, fds: &[i32], page: u64) -> Result<DevPtr>;
+    /// Export the physical handles mapped over `[addr, addr + bytes)` (page-aligned): the
+    /// first one's address, and per handle in address order a file descriptor (which must
+    /// stay open until the receiver has imported it) and its pages. A handle may reach
+    /// beyond the range: handles are exported whole.
+    fn export_pages(
+        &self,
+        addr: DevPtr,
+        bytes: u64,
+    ) -> Result<(DevPtr, Vec<(std::os::fd::OwnedFd, u64)>)>;
+    /// Map the handles process `pid` exported (per handle its descriptor and pages, pages of
+    /// `page` bytes) side by side at a new address of this process; returns it.
+    fn import_pages(&self, pid: i32, handles: &[(i32, u64)], page: u64) -> Result<DevPtr>;
     /// Unmap pages imported with [`Ipc::import_pages`] and free their address range.
     fn close_pages(&self, addr: DevPtr, bytes: u64) -> Result<()>;
 }
@@ -185,13 +191,20 @@ pub trait VirtualMemory: Send + Sync {
     /// in it.
     fn release_address(&self, addr: DevPtr, bytes: u64) -> Result<()>;
     /// Back the unmapped, page-aligned range `[addr, addr + bytes)` of reserved address space
-    /// with new physical memory (one handle per page, so pages unmap one by one), readable and
-    /// writable by this device. All of the range is mapped, or none of it.
+    /// with physical memory, readable and writable by this device: one handle for a run of
+    /// pages, or several ([`VirtualMemory::unit_at`] says where each lies). All of the range
+    /// is mapped, or none of it.
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()>;
-    /// Unmap the mapped, page-aligned range `[addr, addr + bytes)` and give its physical
-    /// memory back (a resource may keep a few handles for the next map, and may do the
-    /// unmapping on a thread of its own). The caller has made sure no queued work still
-    /// touches it.
+    /// Where the physical handle mapped at `addr` lies, `(first page, bytes)`: unmaps cover
+    /// whole handles. By default the page of `addr`.
+    fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
+        let page = self.page_size().max(1);
+        Some((addr / page * page, page))
+    }
+    /// Unmap the mapped, page-aligned range `[addr, addr + bytes)` (whole handles: one
+    /// reaching outside the range is an error) and give its physical memory back (a resource
+    /// may keep a few handles for the next map, and may do the unmapping on a thread of its
+    /// own). The caller has made sure no queued work still touches it.
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()>;
     /// Unmap `[addr, addr + bytes)` for `stream`'s next [`VirtualMemory::map_on`], which may
     /// take its physical memory at once. With `busy`, only work on `stream` has used the range
@@ -248,13 +261,13 @@ pub struct VmmCalls {
     pub background: u64,
     /// physical handles created (cuMemCreate)
     pub creates: u64,
-    /// pages mapped (cuMemMap)
+    /// mappings made (cuMemMap; a handle spans one page or a run of them)
     pub maps: u64,
     /// access set (cuMemSetAccess, one per mapped range)
     pub set_access: u64,
-    /// pages unmapped (cuMemUnmap)
+    /// mappings unmapped (cuMemUnmap)
     pub unmaps: u64,
-    /// of those, pages unmapped on the resource's own thread
+    /// of those, mappings unmapped on the resource's own thread
     pub unmaps_background: u64,
     /// handles released (cuMemRelease)
     pub releases: u64,

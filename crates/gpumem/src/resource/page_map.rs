@@ -1,47 +1,58 @@
-//! Which physical handle backs which page of reserved address space, and which driver calls a
+//! Which physical handle backs which pages of reserved address space, and which driver calls a
 //! map or an unmap needs: the bookkeeping of a page engine, without the calls (the CUDA engine
 //! makes them; the simulator counts them).
 //!
-//! On an H100 a page move costs ~50 µs of driver time, most of it unmapping (~20 µs per
-//! mapping) and setting access (~28 µs per call), while a page that is already mapped costs
-//! nothing. So an unmapped page is not unmapped at once: its address keeps its handle mapped
-//! ("lingers"), and the handle goes where the next map can take it (kept for the stream that
-//! moved it, or spare). A later map at that address finds its own handle still mapped there
-//! and reuses it with no call at all. A job that moves the same pages back and forth between
-//! the same addresses each step (a training step's phases) thus moves them for free after the
-//! first step. A lingering address is unmapped only when a different handle must go there,
-//! or when its handle is released (beyond the spare cap, or when the cache is emptied), or when
-//! its address range is given back.
+//! On an H100 the driver's page calls cost per mapping, not per byte: setting access and
+//! unmapping cost ~20–45 µs per mapping they cover, creating a handle ~13 µs, whatever its
+//! size (`shared/notes/vmm-costs.md`). So a handle spans a run of pages: a map creates one
+//! handle per run of pages it needs (at most [`MAX_SPAN`] pages, aligned to that many), and
+//! the pool unmaps only whole handles ([`PageMap::unit_at`] says where one lies). A handle can
+//! be mapped only whole, at offset 0: a later map uses a free handle only where it fits.
+//!
+//! A page that is already mapped costs nothing. So an unmapped handle is not unmapped at
+//! once: its address keeps it mapped ("lingers"), and the handle goes where the next map can
+//! take it (kept for the stream that moved it, or spare). A later map over that address finds
+//! its own handle still mapped there and reuses it with no call at all. A job that moves the
+//! same memory back and forth between the same addresses each step (a training step's phases)
+//! thus moves it for free after the first step. A lingering mapping is unmapped only when
+//! another handle must go where it lies, or when its handle is released (beyond the spare
+//! cap, or when the cache is emptied), or when its address range is given back.
 //!
 //! Lingering pays where memory comes back to its address; where it does not (sizes that vary
-//! from step to step), each map at a lingering address unmaps it first on the allocating
-//! thread (~20 µs a page). So an address whose maps found another handle there
-//! [`CHURNY`] times in a row is "churny": once the handle lingering there goes live elsewhere,
-//! the stale mapping is handed to the engine to unmap off the allocating thread
-//! ([`PageMap::take_stale`]). The handle is remembered (a ghost): if a later map there finds
-//! it free, the guess was wrong, the address takes it back and is no longer churny.
+//! from step to step), each map over a lingering mapping unmaps it first on the allocating
+//! thread. So an address whose maps found another handle there [`CHURNY`] times in a row is
+//! "churny": once the handle lingering there goes live elsewhere, the stale mapping is handed
+//! to the engine to unmap off the allocating thread ([`PageMap::take_stale`]). The handle is
+//! remembered (a ghost): if a later map there finds it free, the guess was wrong, the address
+//! takes it back and is no longer churny.
 //!
 //! A handle may be mapped at several addresses at once (the driver allows it); only one of
-//! them is live (a page of the pool), the others linger and nothing touches them.
+//! them is live (pages of the pool), the others linger and nothing touches them.
 //!
 //! Safety of reuse: a handle is available to a map only when all work through its earlier
 //! addresses has completed (spare) or runs on the mapping stream before the new work (kept for
-//! that stream after a move in stream order). A lingering address remembers the event after
+//! that stream after a move in stream order). A lingering mapping remembers the event after
 //! which its own old work is done; unmapping it waits for that event first.
 
 use super::DevPtr;
 use crate::error::{Error, Result};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// A physical handle (a `CUmemGenericAllocationHandle`, or a number in the simulator).
 pub type Hid = u64;
 /// An event (a `CUevent` as a number, or a number in the simulator).
 pub type Ev = usize;
 
-/// Spare handles kept for reuse: at least this many...
+/// Spare pages kept for reuse: at least this many...
 pub const MIN_SPARE_PAGES: usize = 8;
 /// ...or this fraction of the live pages (1/200 = 0.5%), whichever is more.
 pub const SPARE_DIVISOR: usize = 200;
+
+/// Pages a created handle spans at most (and the grid, in pages, on which a longer run is
+/// cut): 32 pages of 2 MiB are 64 MiB (PyTorch's expandable segments use 20 MiB handles for
+/// large blocks). Chosen on the replays of the real traces and the workload families (8, 16,
+/// 32, 64 compared: 32 gave the lowest ratios with the fewest calls but for 64's).
+pub const MAX_SPAN: u64 = 32;
 
 /// Maps in a row that found another handle lingering at an address before its own lingering
 /// mapping is unmapped in the background once its handle is live elsewhere (one such map may
@@ -58,7 +69,7 @@ enum Avail {
     Kept { stream: u64, event: Option<Ev> },
 }
 
-/// A lingering address: its handle is still mapped there.
+/// A lingering mapping: its handle is still mapped there.
 #[derive(Debug, Clone, Copy)]
 struct Linger {
     handle: Hid,
@@ -66,11 +77,13 @@ struct Linger {
     event: Option<Ev>,
 }
 
-/// A page a map must unmap first: it lingers with a handle this map cannot use.
+/// A mapping to unmap: a handle lingering at `addr` (its first page) over `pages` pages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Evict {
-    /// the page's address
+    /// the mapping's first page
     pub addr: DevPtr,
+    /// its pages
+    pub pages: u64,
     /// the event to wait for before unmapping (`None`: none)
     pub event: Option<Ev>,
 }
@@ -78,65 +91,95 @@ pub struct Evict {
 /// The driver work of one map.
 #[derive(Debug, Default)]
 pub struct MapPlan {
-    /// pages made live again with the handle still mapped there: no call
-    pub reused: Vec<DevPtr>,
-    /// lingering pages to unmap before mapping there
+    /// mappings in use again with the handle still mapped there: no call (first page, pages)
+    pub reused: Vec<(DevPtr, u64)>,
+    /// lingering mappings to unmap before mapping there
     pub evict: Vec<Evict>,
-    /// pages to map: with a kept handle, or `None` (create one)
-    pub fresh: Vec<(DevPtr, Option<Hid>)>,
+    /// mappings to make, in address order: (first page, pages, a free handle of that many
+    /// pages or `None`: create one)
+    pub fresh: Vec<(DevPtr, u64, Option<Hid>)>,
     /// the stream the plan is for, and the handles taken from its kept ones
     stream: Option<u64>,
     from_kept: Vec<(Hid, Option<Ev>)>,
 }
 
-/// A handle to release, once its lingering addresses are unmapped.
+impl MapPlan {
+    /// Pages of handles the plan creates.
+    pub fn created_pages(&self) -> u64 {
+        self.fresh
+            .iter()
+            .filter(|f| f.2.is_none())
+            .map(|f| f.1)
+            .sum()
+    }
+}
+
+/// A handle to release, once its lingering mappings are unmapped.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Release {
     /// the handle
     pub handle: Hid,
-    /// addresses still mapped to it, each with the event to wait for before unmapping
+    /// its pages
+    pub pages: u64,
+    /// mappings still made of it, each with the event to wait for before unmapping
     pub unmap: Vec<Evict>,
+}
+
+/// What [`PageMap::take_all`] hands over at shutdown: mappings (first page, pages) live or
+/// lingering, and every handle.
+#[derive(Debug, Default)]
+pub struct Everything {
+    /// mappings to unmap
+    pub mappings: Vec<(DevPtr, u64)>,
+    /// handles to release
+    pub handles: Vec<Hid>,
 }
 
 /// The page bookkeeping of one device (see the module docs).
 #[derive(Debug)]
 pub struct PageMap {
     page: u64,
-    /// pages in use: address → handle
+    /// pages of each handle the map knows (live, lingering or available)
+    span: FxHashMap<Hid, u64>,
+    /// pages in use: address → handle (every page of a live mapping)
     live: FxHashMap<DevPtr, Hid>,
-    /// the same, handle → address
+    /// the same, handle → its first page
     live_at: FxHashMap<Hid, DevPtr>,
-    /// pages not in use whose handle is still mapped there
+    /// lingering mappings, by first page
     linger: FxHashMap<DevPtr, Linger>,
-    /// handle → its lingering addresses
+    /// every page of a lingering mapping → that mapping's first page
+    cover: FxHashMap<DevPtr, DevPtr>,
+    /// handle → the first pages of its lingering mappings
     at: FxHashMap<Hid, Vec<DevPtr>>,
     /// handles that are not live → where they are
     avail: FxHashMap<Hid, Avail>,
     /// spare handles in the order they came (entries whose `avail` no longer says spare are
     /// stale and skipped)
     spare: std::collections::VecDeque<Hid>,
-    spare_count: usize,
+    /// pages of the spare handles
+    spare_pages: u64,
     /// per stream, handles kept for it (stale entries skipped, as above)
     kept: FxHashMap<u64, Vec<Hid>>,
     /// per stream and move event, the handles kept until it (stale entries skipped)
     kept_by: FxHashMap<(u64, Option<Ev>), Vec<Hid>>,
-    /// events still referenced (by kept handles or lingering pages) → references
+    /// events still referenced (by kept handles or lingering mappings) → references
     events: FxHashMap<Ev, u32>,
-    /// event → pages that lingered with it (entries whose page no longer does are skipped)
+    /// event → mappings (first pages) that lingered with it (entries that no longer do are
+    /// skipped)
     by_event: FxHashMap<Ev, Vec<DevPtr>>,
     /// events no longer referenced, for the engine to recycle
     idle_events: Vec<Ev>,
     /// pages being unmapped outside the lock (a map there must wait)
-    unmapping: FxHashMap<DevPtr, ()>,
-    /// addresses whose last map found another handle lingering there and unmapped it: their
-    /// memory did not come back to them, so once it is live elsewhere its mapping there is
-    /// stale and goes off the allocating thread (see [`PageMap::take_stale`])
+    unmapping: FxHashSet<DevPtr>,
+    /// first pages of mappings whose last map found another handle lingering there and
+    /// unmapped it: their memory did not come back to them, so once it is live elsewhere its
+    /// mapping there is stale and goes off the allocating thread (see [`PageMap::take_stale`])
     churny: FxHashMap<DevPtr, u32>,
-    /// stale pages unmapped in the background → the handle that lingered there: if a map
+    /// stale mappings unmapped in the background → the handle that lingered there: if a map
     /// there finds that handle free to take, the guess was wrong (its memory would have come
     /// back) and the address is no longer churny
     ghost: FxHashMap<DevPtr, Hid>,
-    /// stale lingering pages out of the map (marked as being unmapped), for the engine to
+    /// stale lingering mappings out of the map (marked as being unmapped), for the engine to
     /// unmap in the background
     stale: Vec<Evict>,
 }
@@ -153,19 +196,21 @@ impl PageMap {
     pub fn new(page: u64) -> Self {
         Self {
             page,
+            span: FxHashMap::default(),
             live: FxHashMap::default(),
             live_at: FxHashMap::default(),
             linger: FxHashMap::default(),
+            cover: FxHashMap::default(),
             at: FxHashMap::default(),
             avail: FxHashMap::default(),
             spare: std::collections::VecDeque::new(),
-            spare_count: 0,
+            spare_pages: 0,
             kept: FxHashMap::default(),
             kept_by: FxHashMap::default(),
             events: FxHashMap::default(),
             by_event: FxHashMap::default(),
             idle_events: Vec::new(),
-            unmapping: FxHashMap::default(),
+            unmapping: FxHashSet::default(),
             churny: FxHashMap::default(),
             ghost: FxHashMap::default(),
             stale: Vec::new(),
@@ -184,17 +229,40 @@ impl PageMap {
 
     /// Pages not in use that still map a handle.
     pub fn lingering_pages(&self) -> usize {
-        self.linger.len()
+        self.cover.len()
     }
 
-    /// Handles not in use (spare or kept for a stream): physical memory beyond the live pages.
+    /// Handles not in use (spare or kept for a stream).
     pub fn idle_handles(&self) -> usize {
         self.avail.len()
+    }
+
+    /// Pages of the handles not in use: physical memory beyond the live pages.
+    pub fn idle_pages(&self) -> u64 {
+        self.avail.keys().map(|&h| self.span_of(h)).sum()
+    }
+
+    /// Pages of handle `h`.
+    pub fn span_of(&self, h: Hid) -> u64 {
+        self.span.get(&h).copied().unwrap_or(1)
     }
 
     /// The handle of live page `addr`.
     pub fn handle_at(&self, addr: DevPtr) -> Option<Hid> {
         self.live.get(&addr).copied()
+    }
+
+    /// The live mapping that page `addr` belongs to: (handle, first page, pages).
+    pub fn mapping_at(&self, addr: DevPtr) -> Option<(Hid, DevPtr, u64)> {
+        let h = *self.live.get(&addr)?;
+        Some((h, *self.live_at.get(&h)?, self.span_of(h)))
+    }
+
+    /// Where the handle mapped at live page `addr` lies, `(first page, bytes)`: the smallest
+    /// range an unmap around `addr` may cover.
+    pub fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
+        let page = addr / self.page * self.page;
+        self.mapping_at(page).map(|(_, a, n)| (a, n * self.page))
     }
 
     /// A live page in `[addr, addr + bytes)`, if any.
@@ -206,21 +274,14 @@ impl PageMap {
             .min()
     }
 
-    /// Every address that maps a handle (live or lingering): what a new peer needs access to.
+    /// Every page that maps a handle (live or lingering): what a new peer needs access to.
     pub fn mapped_addresses(&self) -> Vec<DevPtr> {
-        self.live
-            .keys()
-            .chain(self.linger.keys())
-            .copied()
-            .collect()
+        self.live.keys().chain(self.cover.keys()).copied().collect()
     }
 
     /// Whether any page of `[addr, addr + bytes)` is being unmapped outside the lock.
     pub fn unmapping_in(&self, addr: DevPtr, bytes: u64) -> bool {
-        !self.unmapping.is_empty()
-            && self
-                .pages(addr, bytes)
-                .any(|p| self.unmapping.contains_key(&p))
+        !self.unmapping.is_empty() && self.pages(addr, bytes).any(|p| self.unmapping.contains(&p))
     }
 
     /// Events no longer referenced, for the engine to reuse or destroy.
@@ -239,8 +300,8 @@ impl PageMap {
         }
     }
 
-    /// Whether pages or handles still refer to `ev` (an event no longer referred to may have
-    /// been recycled).
+    /// Whether mappings or handles still refer to `ev` (an event no longer referred to may
+    /// have been recycled).
     pub fn holds(&self, ev: Ev) -> bool {
         self.events.contains_key(&ev)
     }
@@ -268,14 +329,47 @@ impl PageMap {
         }
     }
 
-    fn forget_linger(&mut self, addr: DevPtr, handle: Hid) {
-        if let Some(list) = self.at.get_mut(&handle) {
-            if let Some(i) = list.iter().position(|&a| a == addr) {
+    /// Make handle `h` linger at `base` (its pages covered).
+    fn add_linger(&mut self, base: DevPtr, h: Hid, event: Option<Ev>) {
+        let n = self.span_of(h);
+        self.linger.insert(base, Linger { handle: h, event });
+        for i in 0..n {
+            self.cover.insert(base + i * self.page, base);
+        }
+        self.at.entry(h).or_default().push(base);
+    }
+
+    /// Take the lingering mapping at `base` out of the map (its pages uncovered); with
+    /// `unmapping`, its pages are marked as being unmapped. Returns it as an eviction.
+    fn remove_linger(&mut self, base: DevPtr, unmapping: bool) -> Option<Evict> {
+        let l = self.linger.remove(&base)?;
+        let n = self.span_of(l.handle);
+        for i in 0..n {
+            let p = base + i * self.page;
+            self.cover.remove(&p);
+            if unmapping {
+                self.unmapping.insert(p);
+            }
+        }
+        if let Some(list) = self.at.get_mut(&l.handle) {
+            if let Some(i) = list.iter().position(|&a| a == base) {
                 list.swap_remove(i);
             }
             if list.is_empty() {
-                self.at.remove(&handle);
+                self.at.remove(&l.handle);
             }
+        }
+        Some(Evict {
+            addr: base,
+            pages: n,
+            event: l.event,
+        })
+    }
+
+    /// Pages of `e` are no longer being unmapped.
+    fn unmapped(&mut self, e: &Evict) {
+        for i in 0..e.pages {
+            self.unmapping.remove(&(e.addr + i * self.page));
         }
     }
 
@@ -291,7 +385,7 @@ impl PageMap {
         }
         self.avail.remove(&h);
         if a == Avail::Spare {
-            self.spare_count -= 1;
+            self.spare_pages -= self.span_of(h);
         }
         Some(a)
     }
@@ -306,124 +400,180 @@ impl PageMap {
     fn put_spare(&mut self, h: Hid) {
         self.avail.insert(h, Avail::Spare);
         self.spare.push_back(h);
-        self.spare_count += 1;
-        if self.spare.len() > 2 * self.spare_count + 64 {
+        self.spare_pages += self.span_of(h);
+        let spares = self.avail.len();
+        if self.spare.len() > 2 * spares + 64 {
             let avail = &self.avail;
             self.spare.retain(|h| avail.get(h) == Some(&Avail::Spare));
             // a handle pushed twice while spare is in the list twice: keep one
-            let mut seen = rustc_hash::FxHashSet::default();
+            let mut seen = FxHashSet::default();
             self.spare.retain(|&h| seen.insert(h));
         }
     }
 
-    /// Some handle `stream` may map now: one kept for it, else the newest spare (or, with
-    /// `oldest`, the oldest spare: the one to release first).
-    fn pop_usable(&mut self, stream: Option<u64>, oldest: bool) -> Option<(Hid, Avail)> {
-        if let Some(s) = stream {
-            while let Some(list) = self.kept.get_mut(&s) {
-                let Some(h) = list.pop() else {
-                    self.kept.remove(&s);
-                    break;
-                };
-                if let Some(a @ Avail::Kept { stream, .. }) = self.avail.get(&h).copied() {
-                    if stream == s {
-                        self.avail.remove(&h);
-                        return Some((h, a));
-                    }
-                }
-            }
-        }
-        while let Some(h) = if oldest {
-            self.spare.pop_front()
-        } else {
-            self.spare.pop_back()
-        } {
+    /// The oldest spare handle, taken (the one to release first).
+    fn pop_oldest_spare(&mut self) -> Option<Hid> {
+        while let Some(h) = self.spare.pop_front() {
             if self.avail.get(&h) == Some(&Avail::Spare) {
                 self.avail.remove(&h);
-                self.spare_count -= 1;
-                return Some((h, Avail::Spare));
+                self.spare_pages -= self.span_of(h);
+                return Some(h);
             }
         }
         None
     }
 
-    fn set_live(&mut self, p: DevPtr, h: Hid) {
-        self.live.insert(p, h);
-        self.live_at.insert(h, p);
+    /// Handles `stream` may map now, largest first: those kept for it before spares, the
+    /// newest first among equals (not taken).
+    fn usable(&self, stream: Option<u64>) -> Vec<(u64, Hid)> {
+        let mut seen = FxHashSet::default();
+        let mut out = Vec::new();
+        if let Some(s) = stream {
+            for &h in self.kept.get(&s).into_iter().flatten().rev() {
+                if matches!(self.avail.get(&h), Some(Avail::Kept { stream, .. }) if *stream == s)
+                    && seen.insert(h)
+                {
+                    out.push((self.span_of(h), h));
+                }
+            }
+        }
+        for &h in self.spare.iter().rev() {
+            if self.avail.get(&h) == Some(&Avail::Spare) && seen.insert(h) {
+                out.push((self.span_of(h), h));
+            }
+        }
+        out.sort_by_key(|u| std::cmp::Reverse(u.0));
+        out
     }
 
-    fn unset_live(&mut self, p: DevPtr) -> Option<Hid> {
-        let h = self.live.remove(&p)?;
+    fn set_live(&mut self, base: DevPtr, h: Hid) {
+        for i in 0..self.span_of(h) {
+            self.live.insert(base + i * self.page, h);
+        }
+        self.live_at.insert(h, base);
+    }
+
+    fn unset_live(&mut self, base: DevPtr, h: Hid) {
+        for i in 0..self.span_of(h) {
+            self.live.remove(&(base + i * self.page));
+        }
         self.live_at.remove(&h);
-        Some(h)
     }
 
     /// Plan mapping `[addr, addr + bytes)` (whole pages, none live) for work on `stream`:
-    /// lingering pages whose handle this stream may take are live again at once; the rest get
-    /// handles kept for the stream, spares, or new ones, after unmapping whatever lingers there
-    /// with a handle in use elsewhere. The caller makes the calls, then [`PageMap::commit`]s
-    /// (or [`PageMap::abandon`]s) the plan.
+    /// mappings lingering wholly inside it whose handle this stream may take are live again at
+    /// once; the rest get handles kept for the stream or spares where they fit, or new ones,
+    /// one per run (cut at multiples of [`MAX_SPAN`] pages), after unmapping whatever lingers
+    /// there. The caller makes the calls, then [`PageMap::commit`]s (or
+    /// [`PageMap::abandon`]s) the plan.
     pub fn plan_map(&mut self, addr: DevPtr, bytes: u64, stream: Option<u64>) -> Result<MapPlan> {
         if let Some(p) = self.pages(addr, bytes).find(|p| self.live.contains_key(p)) {
             return Err(Error::InvalidState(format!(
                 "page {p:#x} is already mapped"
             )));
         }
+        let page = self.page;
+        let end = addr + bytes;
+        let n = (bytes / page) as usize;
+        let idx = |p: DevPtr| ((p - addr) / page) as usize;
+        let mut done = vec![false; n];
         let mut plan = MapPlan {
             stream,
             ..MapPlan::default()
         };
-        let pages: Vec<DevPtr> = self.pages(addr, bytes).collect();
-        let mut rest = Vec::new();
-        // 1: pages whose own handle is still mapped there and usable
-        for &p in &pages {
-            let Some(l) = self.linger.get(&p).copied() else {
-                rest.push(p);
+        // 1: mappings lingering wholly inside whose own handle may be taken: no call
+        let mut p = addr;
+        while p < end {
+            let Some(&base) = self.cover.get(&p) else {
+                p += page;
                 continue;
             };
-            match self.take_if_usable(l.handle, stream) {
-                Some(a) => {
-                    self.linger.remove(&p);
-                    self.forget_linger(p, l.handle);
+            let Some(l) = self.linger.get(&base).copied() else {
+                p += page;
+                continue;
+            };
+            let span = self.span_of(l.handle);
+            let top = base + span * page;
+            if base >= addr && top <= end {
+                if let Some(a) = self.take_if_usable(l.handle, stream) {
+                    self.remove_linger(base, false);
                     self.drop_ref(l.event);
                     if let Avail::Kept { event, .. } = a {
                         plan.from_kept.push((l.handle, event));
                     }
-                    self.set_live(p, l.handle);
-                    // its memory came back: a page that repeats
-                    self.churny.remove(&p);
-                    plan.reused.push(p);
+                    self.set_live(base, l.handle);
+                    // its memory came back: an address that repeats
+                    self.churny.remove(&base);
+                    plan.reused.push((base, span));
+                    done[idx(base)..idx(top)].fill(true);
                 }
-                None => rest.push(p),
+            }
+            p = top.max(p + page);
+        }
+        // 2: whatever lingers over the rest is unmapped first
+        for (i, _) in done.iter().enumerate().filter(|d| !*d.1) {
+            if let Some(&base) = self.cover.get(&(addr + i as u64 * page)) {
+                if let Some(e) = self.remove_linger(base, true) {
+                    plan.evict.push(e);
+                    *self.churny.entry(base).or_default() += 1;
+                }
             }
         }
-        // 2: the rest: unmap what lingers there, then a kept, spare or new handle
-        for p in rest {
-            if let Some(l) = self.linger.remove(&p) {
-                self.forget_linger(p, l.handle);
-                self.unmapping.insert(p, ());
-                plan.evict.push(Evict {
-                    addr: p,
-                    event: l.event,
-                });
-                *self.churny.entry(p).or_default() += 1;
+        // 3: the rest, run by run, left to right: the handle a stale unmapping took from
+        // there (a ghost), else the largest free handle that fits, else new handles
+        let mut free = self.usable(stream);
+        let mut i = 0;
+        while i < n {
+            if done[i] {
+                i += 1;
+                continue;
             }
-            // the memory a stale unmapping took from here is free again: it would have come
-            // back, so this address repeats after all, and gets it
-            let ghost = self.ghost.remove(&p).and_then(|h| {
-                let a = self.take_if_usable(h, stream)?;
-                self.churny.remove(&p);
-                Some((h, a))
-            });
-            let h = ghost
-                .or_else(|| self.pop_usable(stream, false))
-                .map(|(h, a)| {
-                    if let Avail::Kept { event, .. } = a {
-                        plan.from_kept.push((h, event));
+            let j = (i..n).find(|&k| done[k]).unwrap_or(n);
+            let (mut q, stop) = (i as u64, j as u64);
+            while q < stop {
+                let p = addr + q * page;
+                let left = stop - q;
+                let mut found = self
+                    .ghost
+                    .remove(&p)
+                    .filter(|&h| self.span_of(h) <= left)
+                    .and_then(|h| {
+                        let a = self.take_if_usable(h, stream)?;
+                        self.churny.remove(&p);
+                        Some((h, a))
+                    });
+                while found.is_none() {
+                    let Some(k) = free.iter().position(|&(s, _)| s <= left) else {
+                        break;
+                    };
+                    let (_, h) = free.remove(k);
+                    found = self.take_if_usable(h, stream).map(|a| (h, a));
+                }
+                match found {
+                    Some((h, a)) => {
+                        if let Avail::Kept { event, .. } = a {
+                            plan.from_kept.push((h, event));
+                        }
+                        let s = self.span_of(h);
+                        plan.fresh.push((p, s, Some(h)));
+                        q += s;
                     }
-                    h
-                });
-            plan.fresh.push((p, h));
+                    None => {
+                        // nothing free fits the rest of the run: new handles, cut where the
+                        // page number is a multiple of MAX_SPAN
+                        while q < stop {
+                            let at = addr / page + q;
+                            let s = (MAX_SPAN - at % MAX_SPAN).min(stop - q);
+                            plan.fresh.push((addr + q * page, s, None));
+                            q += s;
+                        }
+                    }
+                }
+            }
+            for k in i..j {
+                self.ghost.remove(&(addr + k as u64 * page));
+            }
+            i = j;
         }
         Ok(plan)
     }
@@ -432,24 +582,30 @@ impl PageMap {
     /// references.
     pub fn evicted(&mut self, plan: &MapPlan) {
         for e in &plan.evict {
-            self.unmapping.remove(&e.addr);
+            self.unmapped(e);
             self.drop_ref(e.event);
         }
     }
 
-    /// The fresh pages of `plan` are mapped, `created` holding the handles made for the pages
+    /// The fresh mappings of `plan` are made, `created` holding the handles made for those
     /// that had none (in order): they are live. Returns the spares beyond the cap, to release.
     pub fn commit(&mut self, plan: MapPlan, created: &[Hid]) -> Vec<Release> {
         let mut created = created.iter();
-        for (p, h) in plan.fresh {
-            let h = match h.or_else(|| created.next().copied()) {
+        for (p, n, h) in plan.fresh {
+            let h = match h {
                 Some(h) => h,
-                None => continue,
+                None => match created.next() {
+                    Some(&h) => {
+                        self.span.insert(h, n);
+                        h
+                    }
+                    None => continue,
+                },
             };
             self.set_live(p, h);
             self.mark_stale(h);
         }
-        for &p in &plan.reused {
+        for &(p, _) in &plan.reused {
             if let Some(h) = self.live.get(&p).copied() {
                 self.mark_stale(h);
             }
@@ -474,29 +630,24 @@ impl PageMap {
             .filter(|a| self.churny.get(a).is_some_and(|&n| n >= CHURNY))
             .collect();
         for a in stale {
-            if let Some(l) = self.linger.remove(&a) {
-                self.forget_linger(a, l.handle);
-                self.unmapping.insert(a, ());
-                self.ghost.insert(a, l.handle);
-                self.stale.push(Evict {
-                    addr: a,
-                    event: l.event,
-                });
+            if let Some(e) = self.remove_linger(a, true) {
+                self.ghost.insert(a, h);
+                self.stale.push(e);
             }
         }
     }
 
-    /// Stale lingering pages (see [`PageMap::commit`]) to unmap off the allocating thread,
-    /// each after its event; they are marked as being unmapped (a map there waits), and
+    /// Stale lingering mappings (see [`PageMap::commit`]) to unmap off the allocating thread,
+    /// each after its event; their pages are marked as being unmapped (a map there waits), and
     /// [`PageMap::unmapped_evictions`] ends that.
     pub fn take_stale(&mut self) -> Vec<Evict> {
         std::mem::take(&mut self.stale)
     }
 
-    /// Undo `plan` after a failed call: pages `mapped` (fresh ones the caller did map, with
-    /// their handles) linger, every handle the plan took or `created` goes back (to the
-    /// stream where it was kept for it, else spare), reused pages linger again.
-    pub fn abandon(&mut self, plan: MapPlan, mapped: &[(DevPtr, Hid)], created: &[Hid]) {
+    /// Undo `plan` after a failed call (the caller unmapped whatever it mapped): every handle
+    /// the plan took or `created` goes back (to the stream where it was kept for it, else
+    /// spare), reused mappings linger again.
+    pub fn abandon(&mut self, plan: MapPlan, created: &[Hid]) {
         let kept: FxHashMap<Hid, Option<Ev>> = plan.from_kept.iter().copied().collect();
         let give_back = |m: &mut Self, h: Hid| match (kept.get(&h), plan.stream) {
             (Some(&ev), Some(s)) => {
@@ -506,31 +657,26 @@ impl PageMap {
             }
             _ => m.put_spare(h),
         };
-        for &p in &plan.reused {
-            if let Some(h) = self.unset_live(p) {
-                self.linger.insert(
-                    p,
-                    Linger {
-                        handle: h,
-                        event: None,
-                    },
-                );
-                self.at.entry(h).or_default().push(p);
+        for &(p, _) in &plan.reused {
+            if let Some(h) = self.live.get(&p).copied() {
+                self.unset_live(p, h);
+                self.add_linger(p, h, None);
                 give_back(self, h);
             }
         }
-        for &(p, h) in mapped {
-            self.linger.insert(
-                p,
-                Linger {
-                    handle: h,
-                    event: None,
-                },
-            );
-            self.at.entry(h).or_default().push(p);
+        let mut made = created.iter();
+        let mut handles = Vec::new();
+        for &(_, n, h) in &plan.fresh {
+            match h {
+                Some(h) => handles.push(h),
+                None => {
+                    if let Some(&c) = made.next() {
+                        self.span.insert(c, n);
+                        handles.push(c);
+                    }
+                }
+            }
         }
-        let mut handles: Vec<Hid> = plan.fresh.iter().filter_map(|&(_, h)| h).collect();
-        handles.extend_from_slice(created);
         for h in handles {
             give_back(self, h);
         }
@@ -538,29 +684,45 @@ impl PageMap {
         self.evicted(&plan);
     }
 
-    /// Take the live pages of `[addr, addr + bytes)` out of use; their addresses linger. With
-    /// `stream`, their handles are kept for that stream's next maps until `event` (recorded on
-    /// it now; `None` if the pages are idle: then until [`PageMap::finish_move`]) has
-    /// completed; without, they are spare (idle). Returns the pages taken and the spares beyond
-    /// the cap, to release.
+    /// Take the live mappings of `[addr, addr + bytes)` out of use (whole handles only: a
+    /// handle reaching outside the range is an error, and nothing changes); their addresses
+    /// linger. With `stream`, their handles are kept for that stream's next maps until `event`
+    /// (recorded on it now; `None` if the pages are idle: then until
+    /// [`PageMap::finish_move`]) has completed; without, they are spare (idle). Returns the
+    /// pages taken and the spares beyond the cap, to release.
     pub fn detach(
         &mut self,
         addr: DevPtr,
         bytes: u64,
         stream: Option<u64>,
         event: Option<Ev>,
-    ) -> (u64, Vec<Release>) {
-        let mut n = 0u64;
-        let pages: Vec<DevPtr> = self.pages(addr, bytes).collect();
-        for p in pages {
-            let Some(h) = self.unset_live(p) else {
+    ) -> Result<(u64, Vec<Release>)> {
+        let (page, end) = (self.page, addr + bytes);
+        let mut found = Vec::new();
+        let mut p = addr;
+        while p < end {
+            let Some((h, base, n)) = self.mapping_at(p) else {
+                p += page;
                 continue;
             };
-            n += 1;
-            self.linger.insert(p, Linger { handle: h, event });
-            self.at.entry(h).or_default().push(p);
+            let top = base + n * page;
+            if base < addr || top > end {
+                return Err(Error::InvalidArgument(format!(
+                    "unmapping {addr:#x}+{bytes} would split the physical handle mapped at \
+                     {base:#x}+{} (only whole handles unmap)",
+                    n * page
+                )));
+            }
+            found.push((base, h));
+            p = top;
+        }
+        let mut n = 0u64;
+        for (base, h) in found {
+            n += self.span_of(h);
+            self.unset_live(base, h);
+            self.add_linger(base, h, event);
             if let Some(ev) = event {
-                self.by_event.entry(ev).or_default().push(p);
+                self.by_event.entry(ev).or_default().push(base);
             }
             match stream {
                 Some(s) => self.keep(h, s, event),
@@ -580,7 +742,7 @@ impl PageMap {
         } else {
             Vec::new()
         };
-        (n, excess)
+        Ok((n, excess))
     }
 
     /// A move for `stream` (its unmapping, then the maps of one or more runs) is done: what
@@ -592,8 +754,8 @@ impl PageMap {
     }
 
     /// Event `event` has completed (`None`: for kept handles of idle pages): the handles kept
-    /// for `stream` until then that no map took are spare, and the pages that lingered with it
-    /// are idle. Returns nothing to release (the next map or unmap trims the spares).
+    /// for `stream` until then that no map took are spare, and the mappings that lingered with
+    /// it are idle. Returns nothing to release (the next map or unmap trims the spares).
     pub fn settle_kept(&mut self, stream: u64, event: Option<Ev>) {
         let want = Avail::Kept { stream, event };
         for h in self.kept_by.remove(&(stream, event)).unwrap_or_default() {
@@ -616,7 +778,7 @@ impl PageMap {
             }
         }
         if let Some(ev) = event {
-            // its lingering pages are idle now
+            // its lingering mappings are idle now
             for p in self.by_event.remove(&ev).unwrap_or_default() {
                 match self.linger.get_mut(&p) {
                     Some(l) if l.event == Some(ev) => {
@@ -629,13 +791,13 @@ impl PageMap {
         }
     }
 
-    /// Spare handles beyond the cap, out of the map, each with its lingering addresses (which
-    /// are marked as being unmapped: call [`PageMap::released`] when done).
+    /// Spare handles beyond the cap, out of the map, each with its lingering mappings (whose
+    /// pages are marked as being unmapped: call [`PageMap::released`] when done).
     fn excess(&mut self) -> Vec<Release> {
-        let cap = MIN_SPARE_PAGES.max(self.live.len() / SPARE_DIVISOR);
+        let cap = MIN_SPARE_PAGES.max(self.live.len() / SPARE_DIVISOR) as u64;
         let mut out = Vec::new();
-        while self.spare_count > cap {
-            let Some((h, _)) = self.pop_usable(None, true) else {
+        while self.spare_pages > cap {
+            let Some(h) = self.pop_oldest_spare() else {
                 break;
             };
             out.push(self.release_handle(h));
@@ -644,26 +806,26 @@ impl PageMap {
     }
 
     fn release_handle(&mut self, h: Hid) -> Release {
-        let addrs = self.at.remove(&h).unwrap_or_default();
-        let mut unmap = Vec::with_capacity(addrs.len());
-        for a in addrs {
-            if let Some(l) = self.linger.remove(&a) {
-                self.unmapping.insert(a, ());
-                unmap.push(Evict {
-                    addr: a,
-                    event: l.event,
-                });
-            }
+        let bases = self.at.get(&h).cloned().unwrap_or_default();
+        let unmap = bases
+            .into_iter()
+            .filter_map(|b| self.remove_linger(b, true))
+            .collect();
+        self.at.remove(&h);
+        let pages = self.span.remove(&h).unwrap_or(1);
+        Release {
+            handle: h,
+            pages,
+            unmap,
         }
-        Release { handle: h, unmap }
     }
 
-    /// The event references of released handles' addresses are no longer needed once the
+    /// The event references of released handles' mappings are no longer needed once the
     /// engine has unmapped them.
     pub fn released(&mut self, releases: &[Release]) {
         for r in releases {
             for e in &r.unmap {
-                self.unmapping.remove(&e.addr);
+                self.unmapped(e);
                 self.drop_ref(e.event);
             }
         }
@@ -695,16 +857,15 @@ impl PageMap {
             self.settle_kept(s, None);
         }
         let mut out = Vec::new();
-        while let Some((h, _)) = self.pop_usable(None, true) {
+        while let Some(h) = self.pop_oldest_spare() {
             out.push(self.release_handle(h));
         }
         out
     }
 
-    /// Lingering pages of `[addr, addr + bytes)`, out of the map (marked as being unmapped),
-    /// before the range is given back. Their handles stay where they are.
+    /// Lingering mappings of `[addr, addr + bytes)`, out of the map (marked as being
+    /// unmapped), before the range is given back. Their handles stay where they are.
     pub fn take_lingering_in(&mut self, addr: DevPtr, bytes: u64) -> Vec<Evict> {
-        let mut out = Vec::new();
         let mut found: Vec<DevPtr> = self
             .linger
             .keys()
@@ -714,59 +875,66 @@ impl PageMap {
         found.sort_unstable();
         self.churny.retain(|&p, _| p < addr || p >= addr + bytes);
         self.ghost.retain(|&p, _| p < addr || p >= addr + bytes);
-        for p in found {
-            if let Some(l) = self.linger.remove(&p) {
-                self.forget_linger(p, l.handle);
-                self.unmapping.insert(p, ());
-                out.push(Evict {
-                    addr: p,
-                    event: l.event,
-                });
-            }
-        }
-        out
+        found
+            .into_iter()
+            .filter_map(|b| self.remove_linger(b, true))
+            .collect()
     }
 
-    /// Event references of evictions from [`PageMap::take_lingering_in`], once unmapped.
+    /// Event references of evictions from [`PageMap::take_lingering_in`] (or stale ones),
+    /// once unmapped.
     pub fn unmapped_evictions(&mut self, done: &[Evict]) {
         for e in done {
-            self.unmapping.remove(&e.addr);
+            self.unmapped(e);
             self.drop_ref(e.event);
         }
     }
 
-    /// Everything, for shutting down: live pages with handles, lingering pages, every handle.
-    pub fn take_all(&mut self) -> (Vec<(DevPtr, Hid)>, Vec<DevPtr>, Vec<Hid>) {
-        let live: Vec<(DevPtr, Hid)> = self.live.drain().collect();
-        self.live_at.clear();
-        let mut linger: Vec<DevPtr> = self.linger.drain().map(|(p, _)| p).collect();
-        // stale pages not unmapped yet are mapped still
-        linger.extend(self.stale.drain(..).map(|e| e.addr));
-        let mut handles: Vec<Hid> = live.iter().map(|&(_, h)| h).collect();
-        handles.extend(self.avail.drain().map(|(h, _)| h));
+    /// Everything, for shutting down: every mapping (live, lingering, stale) and every handle.
+    pub fn take_all(&mut self) -> Everything {
+        let mut mappings: Vec<(DevPtr, u64)> = self
+            .live_at
+            .iter()
+            .map(|(&h, &b)| (b, self.span_of(h)))
+            .collect();
+        mappings.extend(
+            self.linger
+                .iter()
+                .map(|(&b, l)| (b, self.span_of(l.handle))),
+        );
+        // stale mappings not unmapped yet are mapped still
+        mappings.extend(self.stale.drain(..).map(|e| (e.addr, e.pages)));
+        let mut handles: Vec<Hid> = self.live_at.keys().copied().collect();
+        handles.extend(self.avail.keys().copied());
         handles.sort_unstable();
         handles.dedup();
+        self.live.clear();
+        self.live_at.clear();
+        self.linger.clear();
+        self.cover.clear();
+        self.avail.clear();
         self.at.clear();
+        self.span.clear();
         self.spare.clear();
-        self.spare_count = 0;
+        self.spare_pages = 0;
         self.kept.clear();
         self.kept_by.clear();
         self.idle_events.extend(self.events.drain().map(|(e, _)| e));
         self.by_event.clear();
         self.churny.clear();
         self.ghost.clear();
-        (live, linger, handles)
+        Everything { mappings, handles }
     }
 }
 
-/// Runs `(start, pages)` of adjacent pages of `page` bytes among `addrs` (in the order given):
-/// one set-access call (or unmap call) each.
-pub fn runs(addrs: impl Iterator<Item = DevPtr>, page: u64) -> Vec<(DevPtr, u64)> {
+/// Runs `(first page, pages)` of adjacent mappings among `maps` (`(first page, pages)`, in
+/// address order): one set-access call (or unmap call) each.
+pub fn runs(maps: impl Iterator<Item = (DevPtr, u64)>, page: u64) -> Vec<(DevPtr, u64)> {
     let mut out: Vec<(DevPtr, u64)> = Vec::new();
-    for a in addrs {
+    for (a, n) in maps {
         match out.last_mut() {
-            Some((s, n)) if *s + *n * page == a => *n += 1,
-            _ => out.push((a, 1)),
+            Some((s, m)) if *s + *m * page == a => *m += n,
+            _ => out.push((a, n)),
         }
     }
     out
@@ -777,17 +945,18 @@ mod tests {
     use super::*;
 
     const P: u64 = 2 << 20;
+    // page numbers that are multiples of MAX_SPAN: a fresh run starts a handle there
     const A: DevPtr = 0x1000_0000;
     const B: DevPtr = 0x2000_0000;
 
     /// Map `n` pages at `at` for `stream`, creating handles numbered from `next`; returns the
-    /// plan's (reused, evicted, fresh, created).
+    /// plan's mappings (reused, evicted, fresh) and handles created.
     fn map(m: &mut PageMap, at: DevPtr, n: u64, stream: u64, next: &mut u64) -> [usize; 4] {
         let plan = m.plan_map(at, n * P, Some(stream)).unwrap();
         let created: Vec<Hid> = plan
             .fresh
             .iter()
-            .filter(|f| f.1.is_none())
+            .filter(|f| f.2.is_none())
             .map(|_| {
                 *next += 1;
                 *next
@@ -805,6 +974,44 @@ mod tests {
     }
 
     #[test]
+    fn a_run_of_pages_is_one_handle_and_only_whole_handles_unmap() {
+        let mut m = PageMap::new(P);
+        let mut next = 0;
+        // 36 pages from a multiple of MAX_SPAN: a handle of 32 pages and one of 4
+        assert_eq!(MAX_SPAN, 32);
+        assert_eq!(map(&mut m, A, 36, 1, &mut next), [0, 0, 2, 2]);
+        assert_eq!(m.unit_at(A + 3 * P + 5), Some((A, 32 * P)));
+        assert_eq!(m.unit_at(A + 33 * P), Some((A + 32 * P, 4 * P)));
+        assert!(
+            m.detach(A, 4 * P, Some(1), None).is_err(),
+            "splits a handle"
+        );
+        assert_eq!(m.live_pages(), 36, "a refused unmap changes nothing");
+        assert_eq!(m.detach(A + 32 * P, 4 * P, Some(1), None).unwrap().0, 4);
+        // a run that starts off the grid is cut where the grid is
+        let c = A + 64 * P + 29 * P;
+        assert_eq!(map(&mut m, c, 6, 2, &mut next), [0, 0, 2, 2]);
+        assert_eq!(m.unit_at(c), Some((c, 3 * P)));
+        assert_eq!(m.unit_at(c + 3 * P), Some((c + 3 * P, 3 * P)));
+    }
+
+    #[test]
+    fn a_free_handle_is_used_where_it_fits_and_new_ones_fill_the_rest() {
+        let mut m = PageMap::new(P);
+        let mut next = 0;
+        map(&mut m, A, 4, 1, &mut next);
+        m.detach(A, 4 * P, Some(1), None).unwrap();
+        // 2 pages: the kept handle of 4 does not fit
+        assert_eq!(map(&mut m, B, 2, 1, &mut next), [0, 0, 1, 1]);
+        // 6 pages: the 4 kept, and one new handle of 2
+        let c = B + 32 * P;
+        assert_eq!(map(&mut m, c, 6, 1, &mut next), [0, 0, 2, 1]);
+        assert_eq!(m.unit_at(c), Some((c, 4 * P)));
+        assert_eq!(m.unit_at(c + 4 * P), Some((c + 4 * P, 2 * P)));
+        assert_eq!(m.idle_pages(), 0);
+    }
+
+    #[test]
     fn an_address_whose_memory_never_comes_back_is_unmapped_off_the_allocating_thread() {
         let mut m = PageMap::new(P);
         let mut next = 0;
@@ -813,7 +1020,7 @@ mod tests {
         // each step A's memory moves elsewhere, and the next map at A finds it in use there
         // and must unmap it (on the allocating thread: `evict`)
         for (i, &to) in elsewhere.iter().enumerate() {
-            m.detach(A, P, Some(7), None);
+            m.detach(A, P, Some(7), None).unwrap();
             map(&mut m, to, 1, 7, &mut next);
             m.finish_move(7);
             if i < 2 {
@@ -835,22 +1042,22 @@ mod tests {
         assert_eq!(map(&mut m, A, 1, 7, &mut next), [0, 0, 1, 1]);
         // a guess that was wrong: A's old memory is free when A is mapped again, so A takes it
         // and repeats from then on (its mapping lingers again)
-        m.detach(A, P, Some(7), None);
+        m.detach(A, P, Some(7), None).unwrap();
         map(&mut m, B, 1, 7, &mut next);
         let stale = m.take_stale();
         assert_eq!(stale.len(), 1);
         m.unmapped_evictions(&stale);
-        m.detach(B, P, Some(7), None);
+        m.detach(B, P, Some(7), None).unwrap();
         m.finish_move(7);
         assert_eq!(
             map(&mut m, A, 1, 7, &mut next),
             [0, 0, 1, 0],
             "its old handle"
         );
-        m.detach(A, P, Some(7), None);
+        m.detach(A, P, Some(7), None).unwrap();
         map(&mut m, B, 1, 7, &mut next);
         assert!(m.take_stale().is_empty(), "A repeats: it lingers");
-        m.detach(B, P, Some(7), None);
+        m.detach(B, P, Some(7), None).unwrap();
         assert_eq!(map(&mut m, A, 1, 7, &mut next), [1, 0, 0, 0], "no call");
     }
 
@@ -860,13 +1067,13 @@ mod tests {
         let mut m = PageMap::new(P);
         let mut next = 0;
         map(&mut m, A, 2, 7, &mut next);
-        m.detach(A, 2 * P, Some(7), Some(9));
+        m.detach(A, 2 * P, Some(7), Some(9)).unwrap();
         m.hold_event(9);
-        // every page and handle lets go of it: the next map takes the kept handles, a map at
-        // A evicts the lingering pages
+        // every mapping and handle lets go of it: the next map takes the kept handle, a map
+        // at A evicts the lingering mapping
         map(&mut m, B, 2, 7, &mut next);
         m.finish_move(7);
-        assert_eq!(map(&mut m, A, 2, 7, &mut next), [0, 2, 2, 2]);
+        assert_eq!(map(&mut m, A, 2, 7, &mut next), [0, 1, 1, 1]);
         assert!(
             m.take_idle_events().is_empty(),
             "recorded again now, the settle job would settle a later move's pages early"
@@ -880,10 +1087,10 @@ mod tests {
     fn pages_moved_back_and_forth_reuse_their_memory_with_no_call() {
         let mut m = PageMap::new(P);
         let mut next = 0;
-        assert_eq!(map(&mut m, A, 4, 7, &mut next), [0, 0, 4, 4]);
-        // A's pages move to B (idle): B takes A's handles, A keeps them mapped
-        m.detach(A, 4 * P, Some(7), None);
-        assert_eq!(map(&mut m, B, 4, 7, &mut next), [0, 0, 4, 0]);
+        assert_eq!(map(&mut m, A, 4, 7, &mut next), [0, 0, 1, 1]);
+        // A's pages move to B (idle): B takes A's handle, A keeps it mapped
+        m.detach(A, 4 * P, Some(7), None).unwrap();
+        assert_eq!(map(&mut m, B, 4, 7, &mut next), [0, 0, 1, 0]);
         assert!(m.finish_move(7).is_empty());
         assert_eq!(
             (m.live_pages(), m.lingering_pages(), m.idle_handles()),
@@ -891,14 +1098,14 @@ mod tests {
         );
         // and back, then again: no call at all
         for _ in 0..3 {
-            m.detach(B, 4 * P, Some(7), None);
-            assert_eq!(map(&mut m, A, 4, 7, &mut next), [4, 0, 0, 0]);
+            m.detach(B, 4 * P, Some(7), None).unwrap();
+            assert_eq!(map(&mut m, A, 4, 7, &mut next), [1, 0, 0, 0]);
             m.finish_move(7);
-            m.detach(A, 4 * P, Some(7), None);
-            assert_eq!(map(&mut m, B, 4, 7, &mut next), [4, 0, 0, 0]);
+            m.detach(A, 4 * P, Some(7), None).unwrap();
+            assert_eq!(map(&mut m, B, 4, 7, &mut next), [1, 0, 0, 0]);
             m.finish_move(7);
         }
-        assert_eq!(next, 4, "no handle created after the first map");
+        assert_eq!(next, 1, "no handle created after the first map");
     }
 
     #[test]
@@ -907,45 +1114,45 @@ mod tests {
         let mut next = 0;
         map(&mut m, A, 2, 1, &mut next);
         // stream 1 moves its busy pages away (event 9): kept for stream 1 only
-        m.detach(A, 2 * P, Some(1), Some(9));
-        assert_eq!(m.idle_handles(), 2);
-        // stream 2 maps elsewhere: new handles
-        assert_eq!(map(&mut m, B, 2, 2, &mut next), [0, 0, 2, 2]);
-        // stream 2 maps at A: A's handles are stream 1's: unmap A after event 9, new handles
+        m.detach(A, 2 * P, Some(1), Some(9)).unwrap();
+        assert_eq!(m.idle_pages(), 2);
+        // stream 2 maps elsewhere: a new handle
+        assert_eq!(map(&mut m, B, 2, 2, &mut next), [0, 0, 1, 1]);
+        // stream 2 maps at A: A's handle is stream 1's: unmap A after event 9, a new handle
         let plan = m.plan_map(A, 2 * P, Some(2)).unwrap();
         assert_eq!(
             plan.evict,
-            vec![
-                Evict {
-                    addr: A,
-                    event: Some(9)
-                },
-                Evict {
-                    addr: A + P,
-                    event: Some(9)
-                }
-            ]
+            vec![Evict {
+                addr: A,
+                pages: 2,
+                event: Some(9)
+            }]
         );
-        assert!(m.unmapping_in(A, P));
+        assert!(m.unmapping_in(A + P, P));
         m.evicted(&plan);
-        let created = [100, 101];
-        m.commit(plan, &created);
-        // once event 9 completes, stream 1's handles are spare and the event is free again
+        m.commit(plan, &[100]);
+        // once event 9 completes, stream 1's handle is spare and the event is free again
         m.settle_kept(1, Some(9));
         assert_eq!(m.take_idle_events(), vec![9]);
-        assert_eq!(m.idle_handles(), 2);
+        assert_eq!(m.idle_pages(), 2);
     }
 
     #[test]
     fn spares_beyond_the_cap_are_released_with_their_lingering_addresses() {
         let mut m = PageMap::new(P);
         let mut next = 0;
-        map(&mut m, A, 20, 1, &mut next);
-        let (n, excess) = m.detach(A, 20 * P, None, None);
-        assert_eq!(n, 20);
+        for i in 0..20 {
+            map(&mut m, A + 2 * i * P, 1, 1, &mut next);
+        }
+        let mut excess = Vec::new();
+        for i in 0..20 {
+            let (n, e) = m.detach(A + 2 * i * P, P, None, None).unwrap();
+            assert_eq!(n, 1);
+            excess.extend(e);
+        }
         // the cap is 8 pages here: the 12 oldest spares go, each unmapped where it lingers
         assert_eq!(excess.len(), 12);
-        assert!(excess.iter().all(|r| r.unmap.len() == 1));
+        assert!(excess.iter().all(|r| r.unmap.len() == 1 && r.pages == 1));
         m.released(&excess);
         assert_eq!((m.idle_handles(), m.lingering_pages()), (8, 8));
         // emptying the cache: the rest
@@ -953,6 +1160,11 @@ mod tests {
         assert_eq!(rest.len(), 8);
         m.released(&rest);
         assert_eq!((m.idle_handles(), m.lingering_pages()), (0, 0));
+        // a handle larger than the cap goes whole
+        map(&mut m, B, 12, 1, &mut next);
+        let (_, e) = m.detach(B, 12 * P, None, None).unwrap();
+        assert_eq!(e.len(), 1);
+        assert_eq!((e[0].pages, e[0].unmap[0].pages), (12, 12));
     }
 
     #[test]
@@ -960,13 +1172,17 @@ mod tests {
         let mut m = PageMap::new(P);
         let mut next = 0;
         map(&mut m, A, 2, 1, &mut next);
-        m.detach(A, 2 * P, Some(1), None);
+        m.detach(A, 2 * P, Some(1), None).unwrap();
         let plan = m.plan_map(B, 4 * P, Some(1)).unwrap();
-        assert_eq!(plan.fresh.iter().filter(|f| f.1.is_some()).count(), 2);
-        m.abandon(plan, &[], &[]);
-        assert_eq!((m.live_pages(), m.idle_handles()), (0, 2));
-        // the stream still gets its own handles back first, and A reuses them in place
-        assert_eq!(map(&mut m, A, 2, 1, &mut next), [2, 0, 0, 0]);
+        assert_eq!(
+            plan.fresh,
+            vec![(B, 2, Some(1)), (B + 2 * P, 2, None)],
+            "the kept handle where it fits, a new one for the rest"
+        );
+        m.abandon(plan, &[50]);
+        assert_eq!((m.live_pages(), m.idle_pages()), (0, 4));
+        // the stream still gets its own handle back first, and A reuses it in place
+        assert_eq!(map(&mut m, A, 2, 1, &mut next), [1, 0, 0, 0]);
         assert!(
             m.plan_map(A, P, Some(1)).is_err(),
             "mapping a live page is an error"
@@ -974,14 +1190,15 @@ mod tests {
     }
 
     #[test]
-    fn shutting_down_lists_every_address_and_handle_once() {
+    fn shutting_down_lists_every_mapping_and_handle_once() {
         let mut m = PageMap::new(P);
         let mut next = 0;
         map(&mut m, A, 3, 1, &mut next);
-        m.detach(A, 3 * P, Some(1), Some(5));
+        m.detach(A, 3 * P, Some(1), Some(5)).unwrap();
         map(&mut m, B, 3, 1, &mut next);
-        let (live, linger, handles) = m.take_all();
-        assert_eq!((live.len(), linger.len(), handles.len()), (3, 3, 3));
+        let all = m.take_all();
+        assert_eq!(all.mappings.len(), 2);
+        assert_eq!(all.handles, vec![1]);
         assert!(m.take_idle_events().contains(&5));
     }
 }

@@ -396,10 +396,14 @@ impl VirtualMemory for SimulatedDevice {
         self.map_for(addr, bytes, Some(stream.0))
     }
 
+    fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
+        self.state.lock().pages.unit_at(addr)
+    }
+
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         let mut s = self.state.lock();
         check_pages(&s, addr, bytes, true)?;
-        let (_, excess) = s.pages.detach(addr, bytes, None, None);
+        let (_, excess) = s.pages.detach(addr, bytes, None, None)?;
         s.release(excess);
         s.unmaps += 1;
         Ok(())
@@ -431,7 +435,7 @@ impl VirtualMemory for SimulatedDevice {
             }
             _ => None,
         };
-        let (n, excess) = s.pages.detach(addr, bytes, Some(stream.0), event);
+        let (n, excess) = s.pages.detach(addr, bytes, Some(stream.0), event)?;
         if let (Some(ev), true) = (event, n > 0) {
             s.move_event = Some((stream.0, ev));
         }
@@ -467,7 +471,7 @@ impl VirtualMemory for SimulatedDevice {
     fn calls(&self) -> VmmCalls {
         let s = self.state.lock();
         VmmCalls {
-            spare_bytes: s.pages.idle_handles() as u64 * s.pages.page(),
+            spare_bytes: s.pages.idle_pages() * s.pages.page(),
             ..s.driver
         }
     }
@@ -482,11 +486,12 @@ impl SimulatedDevice {
         let plan = s.pages.plan_map(addr, bytes, stream)?;
         s.evict(&plan.evict, true);
         s.pages.evicted(&plan);
-        let new = plan.fresh.iter().filter(|f| f.1.is_none()).count() as u64;
+        let new = plan.fresh.iter().filter(|f| f.2.is_none()).count() as u64;
+        let new_pages = plan.created_pages();
         let room = self.capacity.saturating_sub(s.used + s.external) / s.pages.page();
-        if new > room {
+        if new_pages > room {
             // what a CUDA engine would have mapped before cuMemCreate failed is unmapped again
-            s.pages.abandon(plan, &[], &[]);
+            s.pages.abandon(plan, &[]);
             return Err(Error::ResourceExhausted {
                 resource: "simulated".into(),
                 bytes,
@@ -504,7 +509,7 @@ impl SimulatedDevice {
         s.stale.extend(stale);
         s.drain_stale(None);
         s.handles += new;
-        s.used += new * s.pages.page();
+        s.used += new_pages * s.pages.page();
         s.release(excess);
         s.maps += 1;
         Ok(())
@@ -512,11 +517,12 @@ impl SimulatedDevice {
 }
 
 impl SimState {
-    /// Count the calls of a planned map: a create per new handle, a map per fresh page, a
-    /// set-access per run of fresh pages.
+    /// Count the calls of a planned map: a create per new handle, a map per fresh mapping, a
+    /// set-access per run of adjacent fresh mappings.
     fn record_map(&mut self, plan: &MapPlan, created: u64) {
         let fresh = plan.fresh.len() as u64;
-        let runs = page_map::runs(plan.fresh.iter().map(|f| f.0), self.pages.page()).len() as u64;
+        let runs =
+            page_map::runs(plan.fresh.iter().map(|f| (f.0, f.1)), self.pages.page()).len() as u64;
         let d = &mut self.driver;
         d.creates += created;
         d.maps += fresh;
@@ -585,12 +591,13 @@ impl SimState {
             self.evict(&r.unmap, false);
         }
         let n = releases.len() as u64;
+        let pages: u64 = releases.iter().map(|r| r.pages).sum();
         self.pages.released(&releases);
         self.pages.take_idle_events();
         self.driver.releases += n;
         self.driver.background += n;
         self.handles -= n;
-        self.used -= n * self.pages.page();
+        self.used -= pages * self.pages.page();
     }
 
     /// Handles kept for a stream whose move event the GPU has passed become spare (the CUDA

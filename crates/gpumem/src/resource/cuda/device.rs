@@ -179,6 +179,10 @@ impl VirtualMemory for CudaDevice {
         self.map_for(addr, bytes, None)
     }
 
+    fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
+        self.pages.as_deref()?.unit_at(addr)
+    }
+
     fn map_on(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
         self.map_for(addr, bytes, Some(stream))
     }

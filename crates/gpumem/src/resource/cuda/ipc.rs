@@ -70,19 +70,22 @@ impl Ipc for CudaDevice {
         self.pages_engine().map_or(0, |p| p.page())
     }
 
-    fn export_pages(&self, addr: DevPtr, bytes: u64) -> Result<Vec<OwnedFd>> {
+    fn export_pages(&self, addr: DevPtr, bytes: u64) -> Result<(DevPtr, Vec<(OwnedFd, u64)>)> {
         self.bind()?;
         self.pages_engine()?.export(addr, bytes)
     }
 
-    fn import_pages(&self, pid: i32, fds: &[i32], page: u64) -> Result<DevPtr> {
-        if fds.is_empty() || page == 0 || !page.is_power_of_two() {
+    fn import_pages(&self, pid: i32, fds: &[(i32, u64)], page: u64) -> Result<DevPtr> {
+        let pages = fds
+            .iter()
+            .try_fold(0u64, |a, f| a.checked_add(f.1).filter(|_| f.1 > 0));
+        let bytes = pages.and_then(|n| n.checked_mul(page));
+        let (false, true, Some(bytes)) = (fds.is_empty(), page.is_power_of_two(), bytes) else {
             return Err(Error::InvalidArgument(format!(
-                "no pages to import ({} descriptors of {page} B)",
+                "no pages to import ({} descriptors of {page} B pages)",
                 fds.len()
             )));
-        }
-        let bytes = fds.len() as u64 * page;
+        };
         self.bind()?;
         // SAFETY: plain system call; the kernel checks `pid`.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -105,8 +108,8 @@ impl Ipc for CudaDevice {
                 let _ = sys::cuMemAddressFree(base, bytes as usize);
             }
         };
-        for (i, &fd) in fds.iter().enumerate() {
-            let mapped = i as u64 * page;
+        let mut mapped = 0u64;
+        for &(fd, n) in fds {
             let local = match fd_of(&pidfd, fd) {
                 Ok(l) => l,
                 Err(e) => {
@@ -130,8 +133,9 @@ impl Ipc for CudaDevice {
                 undo(mapped);
                 return Err(cuda_err("cuMemImportFromShareableHandle", e));
             }
-            // SAFETY: `h` is the handle just imported; the page lies in the reserved range.
-            let r = unsafe { sys::cuMemMap(base + mapped, page as usize, 0, h, 0) }.result();
+            // SAFETY: `h` is the handle just imported, of `n` pages (the sender says so; the
+            // driver refuses a size beyond the handle's); they lie in the reserved range.
+            let r = unsafe { sys::cuMemMap(base + mapped, (n * page) as usize, 0, h, 0) }.result();
             // the mapping keeps the memory: the handle is not needed past it
             // SAFETY: `h` is ours and released once.
             let _ = unsafe { sys::cuMemRelease(h) };
@@ -139,6 +143,7 @@ impl Ipc for CudaDevice {
                 undo(mapped);
                 return Err(cuda_err("cuMemMap", e));
             }
+            mapped += n * page;
         }
         let desc = sys::CUmemAccessDesc {
             location: device_location(self.ordinal()),

@@ -191,6 +191,11 @@ impl Pages {
         self.page
     }
 
+    /// Where the handle mapped at live page `addr` lies (see [`PageMap::unit_at`]).
+    pub(super) fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
+        self.state.lock().map.unit_at(addr)
+    }
+
     /// Every address that maps a handle, in use or lingering (for granting a peer access).
     pub(super) fn mapped_pages(&self) -> Vec<DevPtr> {
         self.state.lock().map.mapped_addresses()
@@ -199,7 +204,7 @@ impl Pages {
     pub(super) fn calls(&self) -> VmmCalls {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let idle = self.state.lock().map.idle_handles() as u64;
+        let idle = self.state.lock().map.idle_pages();
         VmmCalls {
             foreground: get(&c.creates)
                 + get(&c.maps)
@@ -261,7 +266,7 @@ impl Pages {
             .reused
             .fetch_add(plan.reused.len() as u64, Ordering::Relaxed);
         self.counters.aliased.fetch_add(
-            plan.fresh.iter().filter(|f| f.1.is_some()).count() as u64,
+            plan.fresh.iter().filter(|f| f.2.is_some()).count() as u64,
             Ordering::Relaxed,
         );
         if !plan.evict.is_empty() {
@@ -273,38 +278,41 @@ impl Pages {
             lap(&c.unmap_ns);
         }
         let mut created = Vec::new();
-        let mut mapped: Vec<(DevPtr, Handle)> = Vec::with_capacity(plan.fresh.len());
+        let mut mapped: Vec<(DevPtr, u64)> = Vec::with_capacity(plan.fresh.len());
         let mut failed = None;
-        for &(p, h) in &plan.fresh {
+        for &(p, n, h) in &plan.fresh {
+            let size = (n * page) as usize;
             let h = match h {
                 Some(h) => h,
                 None => {
                     let mut h: Handle = 0;
-                    // SAFETY: `prop` is initialised; `h` is a valid out-pointer.
-                    let r = unsafe { sys::cuMemCreate(&mut h, page as usize, &self.prop.0, 0) };
+                    // SAFETY: `prop` is initialised; `h` is a valid out-pointer; `size` is a
+                    // multiple of the granularity.
+                    let r = unsafe { sys::cuMemCreate(&mut h, size, &self.prop.0, 0) };
                     self.counters.creates.fetch_add(1, Ordering::Relaxed);
                     if let Err(e) = r.result() {
-                        failed = Some(alloc_err("cuMemCreate", page as usize, "cuMemCreate", e));
+                        failed = Some(alloc_err("cuMemCreate", size, "cuMemCreate", e));
                         break;
                     }
                     created.push(h);
                     h
                 }
             };
-            // SAFETY: `p` is a page of reserved address space with nothing mapped (the plan
-            // unmapped what lingered there) and `h` a handle of one page that no live page
-            // uses (it may linger at other addresses: a handle may be mapped at several).
-            let r = unsafe { sys::cuMemMap(p, page as usize, 0, h, 0) };
+            // SAFETY: `[p, p + size)` is reserved address space with nothing mapped (the plan
+            // unmapped what lingered there) and `h` a handle of exactly `size` bytes that no
+            // live page uses (it may linger at other addresses: a handle may be mapped at
+            // several), mapped whole, at offset 0.
+            let r = unsafe { sys::cuMemMap(p, size, 0, h, 0) };
             self.counters.maps.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = r.result() {
                 failed = Some(cuda_err("cuMemMap", e));
                 break;
             }
-            mapped.push((p, h));
+            mapped.push((p, n));
         }
         lap(&c.map_ns);
         if failed.is_none() {
-            for (start, n) in runs(mapped.iter().map(|m| m.0), page) {
+            for (start, n) in runs(mapped.iter().copied(), page) {
                 if let Err(e) = self.set_access(start, n * page, peers) {
                     failed = Some(e);
                     break;
@@ -315,12 +323,12 @@ impl Pages {
         if let Some(e) = failed {
             // all or nothing: unmap what this call mapped (access may not be set there);
             // handles go back where they came from
-            for &(p, _) in &mapped {
+            for &(p, n) in &mapped {
                 // SAFETY: mapped just now by this call and unused.
-                let _ = unsafe { sys::cuMemUnmap(p, page as usize) };
+                let _ = unsafe { sys::cuMemUnmap(p, (n * page) as usize) };
                 self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
             }
-            self.state.lock().map.abandon(plan, &[], &created);
+            self.state.lock().map.abandon(plan, &created);
             return Err(e);
         }
         let mut st = self.state.lock();
@@ -335,9 +343,14 @@ impl Pages {
         Ok(())
     }
 
-    /// Export the pages mapped at `[addr, addr + bytes)` (page-aligned) as POSIX file
-    /// descriptors, one per page, for another process to import.
-    pub(super) fn export(&self, addr: DevPtr, bytes: u64) -> Result<Vec<std::os::fd::OwnedFd>> {
+    /// Export the physical handles mapped over `[addr, addr + bytes)` (page-aligned) as POSIX
+    /// file descriptors, whole, for another process to import: the first handle's address,
+    /// and per handle its descriptor and pages.
+    pub(super) fn export(
+        &self,
+        addr: DevPtr,
+        bytes: u64,
+    ) -> Result<(DevPtr, Vec<(std::os::fd::OwnedFd, u64)>)> {
         use std::os::fd::FromRawFd;
         if self.prop.0.requestedHandleTypes
             != sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -354,11 +367,14 @@ impl Pages {
             });
         }
         let st = self.state.lock();
-        let mut fds = Vec::with_capacity((bytes / self.page) as usize);
-        for p in (addr..addr + bytes).step_by(self.page as usize) {
-            let h = st.map.handle_at(p).ok_or_else(|| {
+        let mut fds = Vec::new();
+        let mut first = None;
+        let mut p = addr;
+        while p < addr + bytes {
+            let (h, base, n) = st.map.mapping_at(p).ok_or_else(|| {
                 Error::InvalidArgument(format!("page {p:#x} is not mapped: nothing to export"))
             })?;
+            first.get_or_insert(base);
             let mut fd: i32 = -1;
             // SAFETY: `h` is a live handle of this engine (mapped under the lock); `fd` is a
             // valid out-parameter for a POSIX descriptor.
@@ -373,9 +389,10 @@ impl Pages {
             .result()
             .map_err(|e| cuda_err("cuMemExportToShareableHandle", e))?;
             // SAFETY: the driver just opened `fd` for us; we own it from here.
-            fds.push(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+            fds.push((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, n));
+            p = base + n * self.page;
         }
-        Ok(fds)
+        Ok((first.unwrap_or(addr), fds))
     }
 
     /// Read-write access to `[addr, addr + bytes)` (mapped) for this device and `peers`.
@@ -397,7 +414,7 @@ impl Pages {
     /// Take the pages of `[addr, addr + bytes)` out of use; no queued work touches them (the
     /// caller's contract). No driver call: the addresses linger, the handles are spare.
     pub(super) fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let excess = self.state.lock().map.detach(addr, bytes, None, None).1;
+        let excess = self.state.lock().map.detach(addr, bytes, None, None)?.1;
         self.release_later(excess);
         Ok(())
     }
@@ -424,7 +441,16 @@ impl Pages {
             (true, None) => Some(self.record_event(&mut st, stream.0)?),
             _ => shared,
         };
-        let (n, excess) = st.map.detach(addr, bytes, Some(stream.0), ev);
+        let (n, excess) = match st.map.detach(addr, bytes, Some(stream.0), ev) {
+            Ok(r) => r,
+            Err(e) => {
+                if let (Some(ev), None) = (ev, shared) {
+                    // recorded for nothing: back to the idle events
+                    st.events.push(ev);
+                }
+                return Err(e);
+            }
+        };
         if let (Some(event), true) = (ev, n > 0) {
             st.move_event = Some((stream.0, event, me));
         }
@@ -557,13 +583,15 @@ impl Pages {
         } else {
             &self.counters.unmaps_fg
         };
-        for (start, n) in runs(pages.iter().map(|e| e.addr), self.page) {
-            // one call per run of adjacent pages (unmapping is paid per mapping anyway)
+        c.fetch_add(pages.len() as u64, Ordering::Relaxed);
+        let mut maps: Vec<(DevPtr, u64)> = pages.iter().map(|e| (e.addr, e.pages)).collect();
+        maps.sort_unstable();
+        for (start, n) in runs(maps.into_iter(), self.page) {
+            // one call per run of adjacent mappings (unmapping is paid per mapping anyway)
             // SAFETY: the pages lingered (mapped, in no live block) and their old work is
             // complete (waited for above, or known idle); the map took them out under its lock
             // and marked them as being unmapped, so nothing maps there meanwhile.
             let r = unsafe { sys::cuMemUnmap(start, (n * self.page) as usize) };
-            c.fetch_add(n, Ordering::Relaxed);
             if let Err(e) = r.result() {
                 tracing::warn!("gpumem: cuMemUnmap of {start:#x} failed: {e:?}");
             }
@@ -653,7 +681,7 @@ impl Pages {
         // the work that used the pages must be done before they go
         // SAFETY: the context is current on this thread (bound above).
         let _ = unsafe { sys::cuCtxSynchronize() };
-        let (queued, events, (live, linger, handles)) = {
+        let (queued, events, all) = {
             let mut st = self.state.lock();
             let queued = std::mem::take(&mut st.queued);
             let all = st.map.take_all();
@@ -662,14 +690,14 @@ impl Pages {
             (queued, events, all)
         };
         let mut events = events;
-        let mut handles = handles;
+        let mut handles = all.handles;
         for job in queued {
             match job {
                 // handles on their way out are in the map no more: unmapped and released here
                 Job::Release(rs) => {
                     for r in rs {
                         for e in r.unmap {
-                            self.unmap_one(e.addr);
+                            self.unmap_one(e.addr, e.pages);
                         }
                         handles.push(r.handle);
                     }
@@ -677,16 +705,13 @@ impl Pages {
                 Job::Settle { event, .. } => events.push(event),
                 Job::Unmap(pages) => {
                     for e in pages {
-                        self.unmap_one(e.addr);
+                        self.unmap_one(e.addr, e.pages);
                     }
                 }
             }
         }
-        for &(p, _) in &live {
-            self.unmap_one(p);
-        }
-        for p in linger {
-            self.unmap_one(p);
+        for (p, n) in all.mappings {
+            self.unmap_one(p, n);
         }
         for h in handles {
             // SAFETY: every address of the engine is unmapped above; the handle is ours.
@@ -701,9 +726,9 @@ impl Pages {
         }
     }
 
-    fn unmap_one(&self, p: DevPtr) {
-        // SAFETY: shutting down after a context synchronisation: nothing uses the page.
-        let _ = unsafe { sys::cuMemUnmap(p, self.page as usize) };
+    fn unmap_one(&self, p: DevPtr, pages: u64) {
+        // SAFETY: shutting down after a context synchronisation: nothing uses the mapping.
+        let _ = unsafe { sys::cuMemUnmap(p, (pages * self.page) as usize) };
         self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
     }
 }
