@@ -545,7 +545,7 @@ impl CachingPool {
         // whole physical handles (`unit_at`: an unmap covers whole ones) whose pages were all
         // last freed at or before `max_tick`, from the top
         let vmm = self.vmm().ok();
-        let mut fit: Vec<(u64, u64)> = Vec::new();
+        let mut units: Vec<(u64, u64)> = Vec::new();
         let mut left = want;
         'blocks: for &(addr, size) in free.iter().rev() {
             let first = (addr - s.addr).div_ceil(page);
@@ -567,7 +567,7 @@ impl CachingPool {
                         && u1 == p
                         && (u0..u1).all(|q| pages.freed_at(q) <= max_tick);
                     if whole {
-                        fit.push((u0, u1 - u0));
+                        units.push((u0, u1 - u0));
                         left = left.saturating_sub((u1 - u0) * page);
                         if left == 0 {
                             break 'blocks;
@@ -578,8 +578,8 @@ impl CachingPool {
             }
         }
         // adjacent units as one run (they come highest first)
-        let mut runs: Vec<(u64, u64)> = Vec::with_capacity(fit.len());
-        for (u, n) in fit {
+        let mut runs: Vec<(u64, u64)> = Vec::with_capacity(units.len());
+        for (u, n) in units {
             match runs.last_mut() {
                 Some(r) if u + n == r.0 => {
                     r.0 = u;

@@ -366,13 +366,6 @@ impl PageMap {
         })
     }
 
-    /// Pages of `e` are no longer being unmapped.
-    fn unmapped(&mut self, e: &Evict) {
-        for i in 0..e.pages {
-            self.unmapping.remove(&(e.addr + i * self.page));
-        }
-    }
-
     /// Take `h` out of the available handles if `stream` may map it now; what it was.
     fn take_if_usable(&mut self, h: Hid, stream: Option<u64>) -> Option<Avail> {
         let a = *self.avail.get(&h)?;
@@ -581,10 +574,7 @@ impl PageMap {
     /// The evictions of `plan` are done (the engine unmapped them): drop their event
     /// references.
     pub fn evicted(&mut self, plan: &MapPlan) {
-        for e in &plan.evict {
-            self.unmapped(e);
-            self.drop_ref(e.event);
-        }
+        self.unmapped_evictions(&plan.evict);
     }
 
     /// The fresh mappings of `plan` are made, `created` holding the handles made for those
@@ -824,10 +814,7 @@ impl PageMap {
     /// engine has unmapped them.
     pub fn released(&mut self, releases: &[Release]) {
         for r in releases {
-            for e in &r.unmap {
-                self.unmapped(e);
-                self.drop_ref(e.event);
-            }
+            self.unmapped_evictions(&r.unmap);
         }
     }
 
@@ -881,11 +868,14 @@ impl PageMap {
             .collect()
     }
 
-    /// Event references of evictions from [`PageMap::take_lingering_in`] (or stale ones),
-    /// once unmapped.
+    /// Mappings taken out of the map to unmap (evictions from [`PageMap::take_lingering_in`],
+    /// stale ones, a plan's or a release's) are unmapped: their pages are no longer being
+    /// unmapped, and their event references go.
     pub fn unmapped_evictions(&mut self, done: &[Evict]) {
         for e in done {
-            self.unmapped(e);
+            for i in 0..e.pages {
+                self.unmapping.remove(&(e.addr + i * self.page));
+            }
             self.drop_ref(e.event);
         }
     }
