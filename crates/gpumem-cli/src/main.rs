@@ -174,6 +174,12 @@ enum BenchWhat {
 }
 
 fn main() -> ExitCode {
+    // Output piped into a reader that stops early (`gpumem replay ... | head`) ends the process
+    // quietly, as other command-line tools do, instead of a panic on the failed write.
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Info { json } => cmd::info::run(json),

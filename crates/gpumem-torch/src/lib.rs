@@ -529,7 +529,17 @@ struct History {
     /// devices (bit = ordinal, below 64) recording since history was turned on
     started: AtomicU64,
     max_entries: AtomicU64,
-    events: Mutex<Vec<Vec<gpumem::trace::TraceEvent>>>,
+    events: Mutex<Vec<DeviceHistory>>,
+}
+
+/// One device's recorded events.
+#[derive(Default)]
+struct DeviceHistory {
+    /// the events kept (the last `max_entries`)
+    kept: Vec<gpumem::trace::TraceEvent>,
+    /// events taken from the allocator since the library was loaded (never reset: the C++
+    /// side numbers events with it, see [`gpumem_history_count`])
+    taken: u64,
 }
 
 static HISTORY: History = History {
@@ -559,7 +569,7 @@ pub extern "C" fn gpumem_record_history(on: c_int, max_entries: usize, clear: c_
         }
         HISTORY.started.store(0, Ordering::Relaxed);
         if let Ok(mut h) = HISTORY.events.lock() {
-            h.clear();
+            h.iter_mut().for_each(|d| d.kept.clear());
         }
         let Some(set) = state().devices.as_ref() else {
             return;
@@ -600,25 +610,38 @@ pub extern "C" fn gpumem_history_set_tag(tag: u64) -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn gpumem_history_flat(device: c_int, out: *mut u64, cap: usize) -> usize {
     let flat = guard(Vec::new(), || {
-        let (Some(a), Ok(ordinal)) = (made_allocator(device), usize::try_from(device)) else {
-            return Vec::new();
-        };
-        let Ok(mut h) = HISTORY.events.lock() else {
-            return Vec::new();
-        };
-        if h.len() <= ordinal {
-            h.resize_with(ordinal + 1, Vec::new);
-        }
-        let kept = &mut h[ordinal];
-        kept.extend(a.take_recorded());
-        let max = HISTORY.max_entries.load(Ordering::Relaxed) as usize;
-        if kept.len() > max {
-            kept.drain(..kept.len() - max);
-        }
-        history_flat(kept)
+        with_history(device, |d| history_flat(&d.kept)).unwrap_or_default()
     });
     // SAFETY: the caller's contract.
     unsafe { copy_out(&flat, out, cap) }
+}
+
+/// How many events `device` has recorded since the library was loaded, those not yet taken
+/// from its allocator included (0 for a device not in use). The `k`-th of the `n` events
+/// [`gpumem_history_flat`] returns is event number `count - n + k`: the C++ allocator ties
+/// `_set_memory_metadata` to the events that follow it with these numbers.
+#[no_mangle]
+pub extern "C" fn gpumem_history_count(device: c_int) -> u64 {
+    guard(0, || with_history(device, |d| d.taken).unwrap_or(0))
+}
+
+/// `f` over `device`'s history, after taking what its allocator recorded since (keeping the
+/// last `max_entries`); `None` for a device not in use.
+fn with_history<T>(device: c_int, f: impl FnOnce(&DeviceHistory) -> T) -> Option<T> {
+    let (a, ordinal) = (made_allocator(device)?, usize::try_from(device).ok()?);
+    let mut h = HISTORY.events.lock().ok()?;
+    if h.len() <= ordinal {
+        h.resize_with(ordinal + 1, DeviceHistory::default);
+    }
+    let d = &mut h[ordinal];
+    let new = a.take_recorded();
+    d.taken += new.len() as u64;
+    d.kept.extend(new);
+    let max = HISTORY.max_entries.load(Ordering::Relaxed) as usize;
+    if d.kept.len() > max {
+        d.kept.drain(..d.kept.len() - max);
+    }
+    Some(f(d))
 }
 
 /// See [`gpumem_history_flat`].

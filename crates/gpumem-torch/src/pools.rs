@@ -46,6 +46,15 @@ pub extern "C" fn gpumem_pool_incref(device: c_int, a: u64, b: u64) -> c_int {
     })
 }
 
+/// Pool `(a, b)` never splits its blocks from now on (`setNoSplit`:
+/// `torch.cuda.MemPool(no_split=True)`). 0 on success, -1 if there is no such pool.
+#[no_mangle]
+pub extern "C" fn gpumem_pool_set_no_split(device: c_int, a: u64, b: u64) -> c_int {
+    guard(-1, || {
+        made_allocator(device).map_or(-1, |al| status(al.set_pool_no_split(PoolId(a, b))))
+    })
+}
+
 /// One user of pool `(a, b)` is gone (`releasePool`). 0 on success.
 #[no_mangle]
 pub extern "C" fn gpumem_pool_release(device: c_int, a: u64, b: u64) -> c_int {

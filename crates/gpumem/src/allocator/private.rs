@@ -62,6 +62,12 @@ impl CachingAllocator {
         Ok(f(p))
     }
 
+    /// Private pool `id` never splits its blocks from now on (`torch.cuda.MemPool(no_split=True)`):
+    /// each allocation takes a whole free block or a segment of its own.
+    pub fn set_pool_no_split(&self, id: PoolId) -> Result<()> {
+        self.with_private(id, |p| p.pool.set_no_split())
+    }
+
     /// Make private pool `id` if there is none, and count one more user of it
     /// (`createOrIncrefPool`: a `torch.cuda.MemPool`, or a graph that shares another's pool).
     pub fn create_or_incref_pool(&self, id: PoolId) -> Result<()> {

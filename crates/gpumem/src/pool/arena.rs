@@ -72,6 +72,7 @@ impl CachingPool {
         let b = &self.blocks[id as usize];
         let remaining = b.size - size;
         let worth = match b.kind {
+            _ if self.policy.no_split => false,
             _ if self.policy.page.is_some() => remaining >= MIN_BLOCK,
             PoolKind::Small => remaining >= MIN_BLOCK,
             PoolKind::Large => size < self.policy.max_split && remaining > SMALL_SIZE,

@@ -218,6 +218,9 @@ struct Policy {
     /// page size of expandable segments; `None` = classic segments
     page: Option<u64>,
     slack: f64,
+    /// blocks are never split: a request takes a whole free block or segment
+    /// (`torch.cuda.MemPool(no_split=True)`)
+    no_split: bool,
 }
 
 /// One shard of the caching allocator. Not thread-safe by itself: the allocator puts each
@@ -307,6 +310,7 @@ impl CachingPool {
                 cross_stream: config.pool.cross_stream_reuse,
                 page,
                 slack: config.pool.expandable_slack,
+                no_split: false,
             },
             shared,
             capacity,
@@ -335,6 +339,12 @@ impl CachingPool {
             cross_waited: Vec::new(),
             recorder: None,
         }
+    }
+
+    /// Never split blocks from now on: a request takes a whole free block, or a segment of its
+    /// own (`torch.cuda.MemPool(no_split=True)`; blocks already split stay so).
+    pub fn set_no_split(&mut self) {
+        self.policy.no_split = true;
     }
 
     /// Take the settings PyTorch changes at run time (`_set_allocator_settings`) from `config`:

@@ -820,3 +820,28 @@ fn a_step_that_needs_moves_every_step_keeps_them_within_the_time_budget() {
         s.page_move_ns
     );
 }
+
+/// `MemPool(no_split=True)`: every allocation takes a whole block or segment, never a part.
+#[test]
+fn a_no_split_pool_gives_each_allocation_a_whole_block() {
+    let (mut split, _d) = pool();
+    let (mut whole, _e) = pool();
+    whole.set_no_split();
+    for p in [&mut split, &mut whole] {
+        alloc(p, A, 4 * MIB);
+        alloc(p, A, 4 * MIB);
+    }
+    let blocks =
+        |p: &CachingPool| -> Vec<usize> { p.segments().iter().map(|s| s.blocks.len()).collect() };
+    // (PyTorch's segment of 20 MiB holds both, with the rest free after them)
+    assert_eq!(blocks(&split), vec![3]);
+    assert_eq!(blocks(&whole), vec![1, 1]);
+    // a freed whole block serves a smaller request whole, and the pool stays consistent
+    let (mut p, _f) = pool();
+    p.set_no_split();
+    let a = alloc(&mut p, A, 4 * MIB);
+    free(&mut p, a);
+    let b = alloc(&mut p, A, 3 * MIB);
+    assert_eq!(a, b);
+    assert_eq!(blocks(&p), vec![1]);
+}

@@ -52,11 +52,13 @@ void gpumem_record_history(int on, size_t max_entries, int clear);
 uint64_t gpumem_history_set_tag(uint64_t tag);
 int gpumem_history_enabled();
 size_t gpumem_history_flat(int device, uint64_t* out, size_t cap);
+uint64_t gpumem_history_count(int device);
 int gpumem_pool_begin(int device, uint64_t a, uint64_t b);
 int gpumem_pool_end(int device, uint64_t a, uint64_t b);
 int gpumem_pool_incref(int device, uint64_t a, uint64_t b);
 int gpumem_pool_release(int device, uint64_t a, uint64_t b);
 int gpumem_pool_use_count(int device, uint64_t a, uint64_t b);
+int gpumem_pool_set_no_split(int device, uint64_t a, uint64_t b);
 void* gpumem_pool_alloc_checked(int device, uint64_t a, uint64_t b, ssize_t size, void* stream,
                                 char* err, size_t errlen, int* oom);
 ssize_t gpumem_pool_live(int device, uint64_t a, uint64_t b, uint64_t* out, size_t cap);
@@ -512,7 +514,20 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
         std::vector<uint64_t> flat(gpumem_history_flat(dev, nullptr, 0));
         if (flat.empty()) continue;
         flat.resize(gpumem_history_flat(dev, flat.data(), flat.size()));
+        // event numbers (gpumem_history_count) of the entries, for their user metadata
+        uint64_t first = gpumem_history_count(dev) - flat.size() / 6;
+        std::vector<std::pair<uint64_t, std::string>> marks;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          if (static_cast<size_t>(dev) < metadata_marks_.size()) marks = metadata_marks_[dev];
+        }
+        size_t mark = 0;
+        std::string metadata;
         for (size_t i = 0; i + 6 <= flat.size(); i += 6) {
+          for (uint64_t number = first + i / 6; mark < marks.size() && marks[mark].first <= number;
+               ++mark) {
+            metadata = marks[mark].second;
+          }
           if (!skip.empty() && skipped(static_cast<Entry::Action>(flat[i]), skip)) continue;
           Ctx ctx;
           if (flat[i + 5] != 0) {
@@ -523,7 +538,7 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
               static_cast<Entry::Action>(flat[i]), static_cast<c10::DeviceIndex>(dev),
               static_cast<size_t>(flat[i + 1]), static_cast<size_t>(flat[i + 2]),
               reinterpret_cast<void*>(flat[i + 3]), c10::MempoolId_t{0, 0},
-              static_cast<c10::approx_time_t>(flat[i + 4]), std::move(ctx));
+              static_cast<c10::approx_time_t>(flat[i + 4]), std::move(ctx), "", metadata);
         }
       }
     }
@@ -589,10 +604,12 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     if (use_on_oom && it == use_on_oom_.end()) use_on_oom_.push_back(key);
     if (!use_on_oom && it != use_on_oom_.end()) use_on_oom_.erase(it);
   }
-  void setNoSplit(c10::DeviceIndex /*dev*/, c10::MempoolId_t /*id*/) override {
-    TORCH_CHECK(false,
-                "gpumem: MemPool(no_split=True) is not supported: gpumem's private pools split "
-                "segments as its shared pool does");
+  // MemPool(no_split=True): the pool's blocks are never split (each allocation takes a whole
+  // free block or a segment of its own)
+  void setNoSplit(c10::DeviceIndex dev, c10::MempoolId_t id) override {
+    TORCH_CHECK(gpumem_pool_set_no_split(dev, id.first, id.second) == 0,
+                "gpumem: no private pool " + pool_name(id) + " on device " + std::to_string(dev) +
+                    " to set no_split on");
   }
   bool checkPoolLiveAllocations(c10::DeviceIndex dev, c10::MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {
@@ -628,6 +645,27 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     return std::shared_ptr<void>(reinterpret_cast<void*>(p), [](void* q) {
       gpumem_ipc_close(reinterpret_cast<uint64_t>(q));
     });
+  }
+  // torch.cuda.memory._set_memory_metadata: the history's entries from now on carry it (each
+  // device's event number at the call marks where it starts)
+  void setUserMetadata(const std::string& metadata) override {
+    int n = c10::cuda::device_count();
+    std::vector<uint64_t> at(n);
+    for (int dev = 0; dev < n; ++dev) at[dev] = gpumem_history_count(dev);
+    std::lock_guard<std::mutex> l(mu_);
+    user_metadata_ = metadata;
+    if (metadata_marks_.size() < static_cast<size_t>(n)) metadata_marks_.resize(n);
+    for (int dev = 0; dev < n; ++dev) {
+      auto& marks = metadata_marks_[dev];
+      // (a bounded list: the oldest marks go first; a mark at the same event replaces it)
+      if (!marks.empty() && marks.back().first == at[dev]) marks.pop_back();
+      if (marks.size() >= 4096) marks.erase(marks.begin(), marks.begin() + 2048);
+      marks.emplace_back(at[dev], metadata);
+    }
+  }
+  std::string getUserMetadata() override {
+    std::lock_guard<std::mutex> l(mu_);
+    return user_metadata_;
   }
   bool isHistoryEnabled() override {
     return gpumem_history_enabled() != 0;
@@ -879,6 +917,9 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   std::vector<CCA::OutOfMemoryObserver> observers_;
   std::vector<double> fractions_;
   std::vector<std::string> skip_actions_;
+  // _set_memory_metadata: the current string, and per device (event number, string) marks
+  std::string user_metadata_;
+  std::vector<std::vector<std::pair<uint64_t, std::string>>> metadata_marks_;
   std::unordered_set<void*> uncached_;
   std::atomic<bool> enabled_{true};
 };
