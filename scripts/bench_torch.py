@@ -457,6 +457,9 @@ def worker(workload, setting, steps):
     times, losses = [], []
     warm = 3
     calls_at_warm = None
+    # the last 10 steps apart: a planned layout's first steps (issue 33) map its region once
+    late = max(warm, steps - 10)
+    calls_at_late = None
     torch.cuda.synchronize()
     start = time.perf_counter()
     t = start
@@ -470,6 +473,10 @@ def worker(workload, setting, steps):
             import gpumem_torch
 
             calls_at_warm = gpumem_torch.memory_stats()
+        if len(times) == late and setting.startswith("gpumem"):
+            import gpumem_torch
+
+            calls_at_late = gpumem_torch.memory_stats()
         if os.environ.get("BENCH_STEP_STATS") and setting.startswith("gpumem"):
             # one line per step: what the pool did so far (for following a run's policy)
             import gpumem_torch
@@ -478,6 +485,7 @@ def worker(workload, setting, steps):
             print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
                 "num_move_stops", "vmm_calls_foreground", "vmm_calls_background",
                 "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_page_moves", "num_pressure_moves", "page_move_ns",
+                "num_plans", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes",
                 *TIME_KEYS)), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
@@ -504,7 +512,8 @@ def worker(workload, setting, steps):
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
                       "num_ordered_unmaps", "num_cross_stream_moves", "num_cross_stream_blocks",
-                      "num_move_stops", "num_pressure_moves", "page_move_ns", "page_map_ns")
+                      "num_move_stops", "num_pressure_moves", "page_move_ns", "page_map_ns",
+                      "num_plans", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:
@@ -513,6 +522,10 @@ def worker(workload, setting, steps):
                       *TIME_KEYS, "vmm_creates", "vmm_maps", "vmm_set_access", "vmm_unmaps",
                       "vmm_releases", "vmm_records", "num_page_moves", "page_move_ns"):
                 out["gpumem"][k + "_per_step"] = (stats.get(k, 0) - calls_at_warm.get(k, 0)) / steady
+        if calls_at_late is not None and len(times) > late:
+            out["gpumem"]["vmm_calls_foreground_per_late_step"] = (
+                stats.get("vmm_calls_foreground", 0) - calls_at_late.get("vmm_calls_foreground", 0)
+            ) / (len(times) - late)
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -763,7 +776,9 @@ def main():
                 calls = (f"  calls/step fg {g['vmm_calls_foreground_per_step']:.1f} "
                          f"bg {g['vmm_calls_background_per_step']:.1f} "
                          f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']} "
-                         f"stops {g.get('num_move_stops', 0)}")
+                         f"stops {g.get('num_move_stops', 0)} "
+                         f"last-10 fg {g.get('vmm_calls_foreground_per_late_step', 0):.1f} "
+                         f"plans {g.get('num_plans', 0)}")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")

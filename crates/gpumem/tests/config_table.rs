@@ -44,7 +44,9 @@ fn samples(name: &str) -> &'static [&'static str] {
         "expandable_page_mb" => &["0", "2", "8", "16", "1024"],
         "shards" | "staging_threads" => &["auto", "1", "64"],
         "quick_cache" => &["0", "16", "256"],
-        "cross_stream_reuse" | "expandable_segments" | "time_calls" => &["True", "False", "0", "1"],
+        "cross_stream_reuse" | "expandable_segments" | "time_calls" | "planned_layout" => {
+            &["True", "False", "0", "1"]
+        }
         "expandable_slack" => &["0", "0.002", "0.5"],
         "staging_chunk_kb" => &["4", "2048", "1048576"],
         "staging_min_kb" => &["0", "1024"],

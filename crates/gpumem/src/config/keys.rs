@@ -283,6 +283,16 @@ pub const KEYS: &[Key] = &[
         get: |c| (c.backend.page_bytes / MIB).to_string(),
     },
     Key {
+        name: "planned_layout",
+        value: "`True` or `False`",
+        meaning: "a job whose allocations repeat (a training step, fixed shapes) gets its step's blocks over 1 MiB placed once by their lifetimes, around its long-lived tensors, and served there with no search and no driver call (expandable segments only; off by default: see the README)",
+        set: |c, v| {
+            c.pool.planned_layout = boolean(v)?;
+            Ok(())
+        },
+        get: |c| show_bool(c.pool.planned_layout),
+    },
+    Key {
         name: "time_calls",
         value: "`True` or `False`",
         meaning: "time every allocation and free on its calling thread into the stats `host_alloc_ns` and `host_free_ns` (two clock reads a call; off by default)",

@@ -123,6 +123,10 @@ pub struct PoolConfig {
     /// Time each allocation and free on its calling thread (lock included) into the stats
     /// `host_alloc_ns` and `host_free_ns`: two clock reads a call, off by default.
     pub time_calls: bool,
+    /// A job that repeats gets a planned layout (expandable segments only; see
+    /// `pool/plan.rs`). Off by default for now: replays of short real traces with a lagging
+    /// GPU still lose memory to it.
+    pub planned_layout: bool,
 }
 
 impl Default for PoolConfig {
@@ -138,6 +142,7 @@ impl Default for PoolConfig {
             pressure_release: 0.05,
             pressure_interval_ms: 100,
             time_calls: false,
+            planned_layout: false,
         }
     }
 }

@@ -21,6 +21,7 @@ impl CachingPool {
             head: NIL,
             last_used: self.tick,
             pages,
+            planned: false,
         });
         let id = self.new_block(Block {
             addr,
@@ -127,6 +128,10 @@ impl CachingPool {
     /// owner's free ticks; the block remembers the other stream's free instead, with a
     /// checkpoint recorded there.
     pub(super) fn free_block_used_by(&mut self, id: u32, lent_to: Option<Stream>) {
+        if self.in_plan(id) {
+            self.plan_release(id);
+            return;
+        }
         self.tick += 1;
         if let Some(user) = lent_to {
             let b = &self.blocks[id as usize];

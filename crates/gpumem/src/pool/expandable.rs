@@ -378,7 +378,11 @@ impl CachingPool {
             .segment_index
             .values()
             .copied()
-            .filter(|&s| self.segments[s as usize].pages.is_some())
+            .filter(|&s| {
+                // (a plan's region keeps its pages)
+                let s = &self.segments[s as usize];
+                s.pages.is_some() && !s.planned
+            })
             .collect();
         order.sort_by_key(|&s| Some(self.segments[s as usize].stream) != current);
         let mut got = 0u64;

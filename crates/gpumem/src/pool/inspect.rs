@@ -140,7 +140,17 @@ impl CachingPool {
                         if prev_free {
                             return Err(format!("uncoalesced free neighbours at {:#x}", b.addr));
                         }
-                        free_keys.insert(self.free_key(id));
+                        if s.planned {
+                            // a planned region's free blocks are its plan's, not the free sets'
+                            if !self.plan_owns_free(seg, id) {
+                                return Err(format!(
+                                    "free block {:#x} unknown to its plan",
+                                    b.addr
+                                ));
+                            }
+                        } else {
+                            free_keys.insert(self.free_key(id));
+                        }
                     }
                     State::Allocated => {
                         live += 1;

@@ -41,7 +41,9 @@ mod free_index;
 mod inspect;
 mod lending;
 pub mod pinned;
+mod plan;
 pub mod record;
+mod repeat;
 mod request;
 pub mod size;
 pub mod stats;
@@ -120,6 +122,8 @@ struct Segment {
     last_used: u64,
     /// which pages are mapped, for an expandable segment
     pages: Option<Box<Pages>>,
+    /// a planned layout's region (see `plan.rs`): its free blocks stay out of the free sets
+    planned: bool,
 }
 
 /// A lent block's use, remembered by the free block it went back to: the stream it was lent
@@ -258,6 +262,8 @@ pub struct CachingPool {
     device_safe: u64,
     /// the time budget of page moves
     budget: budget::MoveBudget,
+    /// the job's period and its planned layouts (see `plan.rs`)
+    plans: plan::Plans,
     /// highest reserved bytes of this pool since its cache was last released (expandable
     /// segments: below it, pages are mapped rather than moved)
     high_water: u64,
@@ -333,6 +339,7 @@ impl CachingPool {
             checkpoints: Vec::new(),
             device_safe: 0,
             budget: Default::default(),
+            plans: plan::Plans::new(page.is_some() && config.pool.planned_layout),
             high_water: 0,
             lent: FxHashMap::default(),
             foreign: FxHashMap::default(),
@@ -372,6 +379,9 @@ impl CachingPool {
         s.page_move_ns = self.budget.spent_ns;
         s.page_move_longest_ns = self.budget.longest_ns;
         s.num_move_stops = self.budget.stops;
+        if self.plans.busy() {
+            s.plan_reserved_bytes = self.planned_bytes();
+        }
         s
     }
 

@@ -40,6 +40,12 @@ impl CachingPool {
         if !self.pending.is_empty() {
             self.process_events();
         }
+        if size > SMALL_SIZE && self.plans.busy() {
+            if let Some(id) = self.plan_alloc(stream, size) {
+                self.stats.cache_hits += 1;
+                return Ok(self.hand_out(id, req, size, stream, handout));
+            }
+        }
         let id = match self.take_quick(stream, size) {
             Some(id) => {
                 self.stats.cache_hits += 1;
@@ -80,6 +86,7 @@ impl CachingPool {
             self.live.insert(addr, id);
         }
         self.stats.on_alloc(kind, bsize, req);
+        self.note_event(id, false);
         self.record(Action::Alloc, addr, req, stream);
         PoolAlloc {
             addr,
@@ -238,6 +245,13 @@ impl CachingPool {
     }
 
     pub(super) fn release(&mut self, id: u32) -> Result<()> {
+        if self.plans.busy() {
+            let b = &self.blocks[id as usize];
+            let (size, stream) = (b.rounded, b.stream);
+            if size > SMALL_SIZE {
+                self.plan_free_event(size, stream);
+            }
+        }
         if !self.lent.is_empty() {
             if let Some(user) = self.lent.remove(&id) {
                 return self.release_lent(id, user);
@@ -254,8 +268,13 @@ impl CachingPool {
                 self.record(Action::FreeCompleted, addr, req, stream);
             }
         }
+        self.note_event(id, true);
         if deferred {
             self.wait_for_uses(id);
+            return Ok(());
+        }
+        if self.plans.busy() && self.in_plan(id) {
+            self.plan_release(id);
             return Ok(());
         }
         if !self.use_quick() {
@@ -312,6 +331,7 @@ impl CachingPool {
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
         self.budget.restart();
+        self.plans_dissolve_all();
         self.flush_quick();
         self.process_events();
         let mut bytes = self.reclaim_pages(None, u64::MAX, true);

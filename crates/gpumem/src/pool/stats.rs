@@ -139,6 +139,14 @@ pub struct Stats {
     /// nanoseconds the allocating threads spent mapping pages (moves included): what page
     /// work costs the job where it waits
     pub page_map_ns: u64,
+    /// planned layouts made (see `pool/plan.rs`)
+    pub num_plans: u64,
+    /// allocations served at their planned offsets
+    pub num_plan_allocs: u64,
+    /// allocations in step with a plan whose bytes were not free (served by the dynamic pool)
+    pub num_plan_misses: u64,
+    /// bytes of the planned regions mapped now (part of the reserved bytes)
+    pub plan_reserved_bytes: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -273,6 +281,10 @@ impl Stats {
         self.page_move_longest_ns = self.page_move_longest_ns.max(o.page_move_longest_ns);
         self.num_move_stops += o.num_move_stops;
         self.page_map_ns += o.page_map_ns;
+        self.num_plans += o.num_plans;
+        self.num_plan_allocs += o.num_plan_allocs;
+        self.num_plan_misses += o.num_plan_misses;
+        self.plan_reserved_bytes += o.plan_reserved_bytes;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
@@ -413,6 +425,9 @@ pub(crate) struct HotStats {
     pub(crate) num_page_moves: u64,
     pub(crate) num_pressure_moves: u64,
     pub(crate) page_map_ns: u64,
+    pub(crate) num_plans: u64,
+    pub(crate) num_plan_allocs: u64,
+    pub(crate) num_plan_misses: u64,
 }
 
 impl HotStats {
@@ -472,6 +487,10 @@ impl HotStats {
 
     pub(crate) fn reserved(&self) -> u64 {
         self.reserved_bytes.current()
+    }
+
+    pub(crate) fn allocated_large(&self) -> u64 {
+        self.allocated_bytes.lane(PoolKind::Large)
     }
 
     pub(crate) fn allocated(&self) -> u64 {
@@ -578,6 +597,9 @@ impl HotStats {
             num_page_moves: self.num_page_moves,
             num_pressure_moves: self.num_pressure_moves,
             page_map_ns: self.page_map_ns,
+            num_plans: self.num_plans,
+            num_plan_allocs: self.num_plan_allocs,
+            num_plan_misses: self.num_plan_misses,
             ..Stats::default()
         }
     }

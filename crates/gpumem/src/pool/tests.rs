@@ -845,3 +845,92 @@ fn a_no_split_pool_gives_each_allocation_a_whole_block() {
     assert_eq!(a, b);
     assert_eq!(blocks(&p), vec![1]);
 }
+
+/// One step of a training-like job: `layers` activations kept through the forward pass (each
+/// with a temporary), then the backward pass frees them in reverse with a gradient each.
+fn training_step(p: &mut CachingPool, layers: u64, scale: u64) {
+    let mut acts = Vec::new();
+    for l in 0..layers {
+        acts.push(alloc(p, A, (8 + l % 5) * scale * MIB));
+        let t = alloc(p, A, (3 + l % 3) * scale * MIB);
+        free(p, t);
+    }
+    for a in acts.into_iter().rev() {
+        let g = alloc(p, A, 6 * scale * MIB);
+        free(p, a);
+        free(p, g);
+    }
+}
+
+fn vmm_calls(d: &SimulatedDevice) -> u64 {
+    let c = d.calls();
+    c.creates + c.maps + c.set_access + c.unmaps + c.releases + c.records
+}
+
+/// A job that repeats gets a planned layout: from its fourth step on, its blocks take their
+/// planned offsets with no driver call, its memory stays within a few per cent of its live
+/// peak, an odd step in between (evaluation) goes to the dynamic pool and the plan resumes
+/// after it, and emptying the cache gives everything back.
+#[test]
+fn a_repeating_job_gets_a_planned_layout_and_no_driver_call_a_step() {
+    let (mut p, dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let weights = alloc(&mut p, A, 300 * MIB);
+    let mut per_step = Vec::new();
+    for _ in 0..10 {
+        let before = vmm_calls(&dev);
+        training_step(&mut p, 12, 1);
+        per_step.push(vmm_calls(&dev) - before);
+    }
+    let s = p.stats();
+    assert_eq!(s.num_plans, 1, "{s:?}");
+    assert!(s.num_plan_allocs >= 5 * 36, "{s:?}");
+    assert_eq!(s.num_plan_misses, 0);
+    assert!(per_step[4..].iter().all(|&c| c == 0), "{per_step:?}");
+    let ratio = s.reserved_bytes.all.peak as f64 / s.allocated_bytes.all.peak as f64;
+    assert!(ratio <= 1.04, "{ratio}");
+    // an evaluation step of other sizes, then training again: the plan takes up where it was
+    let x = alloc(&mut p, A, 40 * MIB);
+    let y = alloc(&mut p, A, 7 * MIB);
+    free(&mut p, x);
+    free(&mut p, y);
+    let planned = p.stats().num_plan_allocs;
+    for _ in 0..3 {
+        training_step(&mut p, 12, 1);
+    }
+    assert!(
+        p.stats().num_plan_allocs >= planned + 2 * 36,
+        "{:?}",
+        p.stats()
+    );
+    assert_eq!(p.stats().num_plans, 1, "the same plan");
+    free(&mut p, weights);
+    dev.complete_events();
+    p.empty_cache();
+    p.check_invariants().unwrap();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
+/// A lasting change of shapes gets a plan of its own; the old one is kept for when the
+/// first shapes come back (phases), and both serve with no driver call once made.
+#[test]
+fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
+    let (mut p, dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    for _ in 0..6 {
+        training_step(&mut p, 10, 1);
+    }
+    for _ in 0..6 {
+        training_step(&mut p, 10, 2);
+    }
+    assert_eq!(p.stats().num_plans, 2, "{:?}", p.stats());
+    // (the plan is found again from the first events of the phase's first step)
+    training_step(&mut p, 10, 1);
+    let before = (vmm_calls(&dev), p.stats().num_plan_allocs);
+    for _ in 0..2 {
+        training_step(&mut p, 10, 1);
+    }
+    let s = p.stats();
+    assert_eq!(s.num_plans, 2, "no third plan: {s:?}");
+    assert_eq!(s.num_plan_allocs, before.1 + 2 * 30, "{s:?}");
+    assert_eq!(vmm_calls(&dev) - before.0, 0, "{s:?}");
+    p.check_invariants().unwrap();
+}

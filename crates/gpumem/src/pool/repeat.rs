@@ -1,0 +1,345 @@
+//! Whether the job repeats: the pool's sequence of allocations and frees (rounded size and
+//! stream) is compared with itself, one period back.
+//!
+//! A training step, or a serving loop over fixed shapes, makes the same requests in the same
+//! order every time. Once the last `P` events equal the `P` before them and the allocated
+//! bytes are back where they were `P` events ago (a step frees what it allocated; the layers
+//! inside a step repeat too, but each keeps what it allocated, so they never qualify), the job
+//! repeats with period `P`. It stops repeating at the first event that differs.
+//!
+//! Periods are found by content: a hash of the last [`WINDOW`] events; one window in
+//! [`SAMPLE`] (by its hash, so the same windows are sampled in every period) is remembered
+//! with where it was seen, and seeing it again proposes the distance as a period. Each event
+//! costs a hash update and one comparison per candidate (at most [`CANDIDATES`]); the memory
+//! is bounded ([`MAX_PERIOD`] events of history, a bounded table of windows).
+
+use rustc_hash::FxHashMap;
+
+/// Events hashed together to propose periods.
+pub(super) const WINDOW: u64 = 16;
+/// One window in this many is remembered (a power of two).
+const SAMPLE: u64 = 8;
+/// The longest period found, in events (allocations plus frees).
+pub(super) const MAX_PERIOD: u64 = 1 << 16;
+/// Periods followed at once.
+const CANDIDATES: usize = 4;
+/// Remembered windows before the table is cleared.
+const MAX_SEEN: usize = 1 << 16;
+/// Base of the rolling hash (odd).
+const BASE: u64 = 0x0000_0100_0000_01b3;
+
+/// The entry `back` events before event `i` (not yet stored), if still in `ring`.
+fn ring_back(ring: &[Entry], i: u64, back: u64) -> Option<Entry> {
+    (back <= i && back < ring.len() as u64).then(|| ring[((i - back) as usize) & (ring.len() - 1)])
+}
+
+/// One event as the detector sees it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Entry {
+    pub(super) print: u64,
+    /// allocated bytes after the event
+    pub(super) live: u64,
+    /// rounded bytes of the block
+    pub(super) size: u64,
+    /// for a free, the index of the event that allocated the block (`NONE` if unknown); for
+    /// an allocation, `NONE`
+    pub(super) born: u64,
+}
+
+/// No event: an allocation's `born`, or a free of a block allocated before the detector knew.
+pub(super) const NONE: u64 = u64::MAX;
+
+/// The print of an event: what must match for two events to be the same step position.
+#[inline]
+pub(super) fn print(free: bool, size: u64, stream: u64) -> u64 {
+    (size << 1 | u64::from(free))
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .rotate_left(29)
+        ^ stream.wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+}
+
+/// The rolling hash of `prints` as the detector computes it over its last [`WINDOW`] events.
+pub(super) fn window_hash(prints: impl Iterator<Item = u64>) -> u64 {
+    prints.fold(0u64, |h, p| h.wrapping_mul(BASE).wrapping_add(p))
+}
+
+/// A proposed period and how many events in a row have matched it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Candidate {
+    period: u64,
+    run: u64,
+}
+
+/// The repeat detector of one pool.
+#[derive(Debug, Default)]
+pub(super) struct Repeats {
+    /// the last events, a ring (power-of-two length, grown up to `MAX_PERIOD + WINDOW`)
+    ring: Vec<Entry>,
+    /// events seen
+    n: u64,
+    /// rolling hash of the last `WINDOW` prints
+    hash: u64,
+    /// BASE^WINDOW
+    top: u64,
+    seen: FxHashMap<u64, u64>,
+    cands: [Candidate; CANDIDATES],
+    /// the confirmed period (0: the job does not repeat now)
+    period: u64,
+    /// times a period was confirmed
+    pub(super) found: u64,
+}
+
+impl Repeats {
+    /// Whether the job repeats now.
+    #[cfg(test)]
+    pub(super) fn repeating(&self) -> bool {
+        self.period != 0
+    }
+
+    /// The confirmed period in events (0: none).
+    pub(super) fn period(&self) -> u64 {
+        self.period
+    }
+
+    /// Forget everything (the cache was emptied, the pool's layout starts over).
+    pub(super) fn reset(&mut self) {
+        let found = self.found;
+        *self = Self {
+            found,
+            ..Self::default()
+        };
+    }
+
+    /// An allocation (`born`: [`NONE`]) or a free (`born`: the index [`Repeats::note`]
+    /// returned for the block's allocation) of a block of `size` rounded bytes on `stream`,
+    /// with `live` allocated bytes after it. Returns the event's index.
+    #[inline]
+    pub(super) fn note(&mut self, born: u64, size: u64, stream: u64, live: u64) -> u64 {
+        let print = print(born != NONE, size, stream);
+        let n = self.n;
+        self.push(Entry {
+            print,
+            live,
+            size,
+            born,
+        });
+        n
+    }
+
+    /// Events seen so far (the index the next one gets).
+    pub(super) fn events(&self) -> u64 {
+        self.n
+    }
+
+    /// The rolling hash of the last [`WINDOW`] events (see [`window_hash`]).
+    #[inline]
+    pub(super) fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    /// The last `period` events, oldest first, if the detector still holds them.
+    pub(super) fn last(&self, period: u64) -> Option<Vec<Entry>> {
+        (period <= self.n && period <= self.ring.len() as u64)
+            .then(|| (self.n - period..self.n).map(|i| self.at(i)).collect())
+    }
+
+    fn at(&self, i: u64) -> Entry {
+        self.ring[(i as usize) & (self.ring.len() - 1)]
+    }
+
+    fn push(&mut self, e: Entry) {
+        if self.n as usize >= self.ring.len() && self.ring.len() < (MAX_PERIOD + WINDOW) as usize {
+            self.grow();
+        }
+        let n = self.n;
+        // events in a row that match a period back
+        if self.period != 0 {
+            if self.at(n - self.period).print != e.print {
+                self.period = 0;
+                self.cands = Default::default();
+            }
+        } else {
+            for c in &mut self.cands {
+                if c.period == 0 {
+                    continue;
+                }
+                match ring_back(&self.ring, n, c.period) {
+                    Some(b) if b.print == e.print => {
+                        c.run += 1;
+                        // a whole period matched, and it left the allocated bytes as they were
+                        if c.run >= c.period && b.live == e.live {
+                            self.period = c.period;
+                        }
+                    }
+                    _ => *c = Candidate::default(),
+                }
+            }
+            if self.period != 0 {
+                self.found += 1;
+                self.cands = Default::default();
+            }
+        }
+        // the rolling hash of the last WINDOW prints
+        self.hash = self.hash.wrapping_mul(BASE).wrapping_add(e.print);
+        if n >= WINDOW {
+            let old = self.at(n - WINDOW).print;
+            self.hash = self.hash.wrapping_sub(old.wrapping_mul(self.top));
+        }
+        let len = self.ring.len();
+        self.ring[(n as usize) & (len - 1)] = e;
+        self.n += 1;
+        if self.period == 0 && self.n >= WINDOW && self.hash & (SAMPLE - 1) == 0 {
+            self.propose();
+        }
+    }
+
+    /// The window just completed was seen before: its distance is a candidate period.
+    #[cold]
+    fn propose(&mut self) {
+        if self.seen.len() >= MAX_SEEN {
+            self.seen.clear();
+        }
+        let now = self.n;
+        let Some(before) = self.seen.insert(self.hash, now) else {
+            return;
+        };
+        let period = now - before;
+        if period == 0 || period > MAX_PERIOD || self.cands.iter().any(|c| c.period == period) {
+            return;
+        }
+        // how far back it already matches (a whole period: it repeats from the next event
+        // on, if that leaves the allocated bytes as they were)
+        let run = (1..=period)
+            .take_while(|&k| {
+                let (a, b) = (
+                    ring_back(&self.ring, now, k),
+                    ring_back(&self.ring, now, k + period),
+                );
+                matches!((a, b), (Some(a), Some(b)) if a.print == b.print)
+            })
+            .count() as u64;
+        // replace an empty slot, else the candidate with the shortest run
+        let slot = self
+            .cands
+            .iter_mut()
+            .min_by_key(|c| if c.period == 0 { 0 } else { c.run + 1 })
+            .expect("CANDIDATES > 0");
+        *slot = Candidate { period, run };
+    }
+
+    #[cold]
+    fn grow(&mut self) {
+        let old = std::mem::take(&mut self.ring);
+        let len = (old.len() * 2).clamp(1024, (MAX_PERIOD + WINDOW).next_power_of_two() as usize);
+        let mut ring = vec![
+            Entry {
+                print: 0,
+                live: 0,
+                size: 0,
+                born: NONE,
+            };
+            len
+        ];
+        if !old.is_empty() {
+            // keep the last events at their positions modulo the new length
+            let keep = (self.n as usize).min(old.len());
+            for i in self.n as usize - keep..self.n as usize {
+                ring[i & (len - 1)] = old[i & (old.len() - 1)];
+            }
+        }
+        self.ring = ring;
+        if self.top == 0 {
+            self.top = (0..WINDOW).fold(1u64, |t, _| t.wrapping_mul(BASE));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feed `steps` steps of `step` (size, free) events, returning whether it repeats after
+    /// each step.
+    fn run(r: &mut Repeats, step: &[(u64, bool)], steps: usize) -> Vec<bool> {
+        let mut live = 0u64;
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            for &(size, free) in step {
+                if free {
+                    live -= size;
+                } else {
+                    live += size;
+                }
+                r.note(if free { 0 } else { NONE }, size, 0, live);
+            }
+            out.push(r.repeating());
+        }
+        out
+    }
+
+    /// A training-like step: `layers` layers that each keep an activation and a temporary,
+    /// then a backward pass that frees them in reverse.
+    fn training_step(layers: u64) -> Vec<(u64, bool)> {
+        let mut s = Vec::new();
+        for l in 0..layers {
+            s.push((1000, false));
+            s.push((64, false));
+            s.push((64, true));
+            let _ = l;
+        }
+        for _ in 0..layers {
+            s.push((512, false));
+            s.push((512, true));
+            s.push((1000, true));
+        }
+        s
+    }
+
+    #[test]
+    fn a_repeating_step_is_found_in_its_second_or_third_step_and_layers_are_not_steps() {
+        let mut r = Repeats::default();
+        let step = training_step(12);
+        let seen = run(&mut r, &step, 6);
+        assert!(seen[2..].iter().all(|&x| x), "{seen:?}");
+        assert_eq!(r.period(), step.len() as u64);
+        // (the layers repeat within the forward pass, but each keeps its activation)
+    }
+
+    #[test]
+    fn a_different_event_ends_the_repeat_and_it_is_found_again() {
+        let mut r = Repeats::default();
+        let step = training_step(4);
+        run(&mut r, &step, 4);
+        assert!(r.repeating());
+        r.note(NONE, 7777, 0, 1);
+        assert!(!r.repeating());
+        r.note(0, 7777, 0, 0);
+        let seen = run(&mut r, &step, 4);
+        assert!(seen[2..].iter().all(|&x| x), "{seen:?}");
+    }
+
+    #[test]
+    fn random_sizes_never_repeat_and_memory_stays_bounded() {
+        let mut r = Repeats::default();
+        let mut x = 12345u64;
+        let mut live = 0;
+        for _ in 0..2_000_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let size = 512 * (1 + x % 1000);
+            live += size;
+            r.note(NONE, size, 0, live);
+            assert!(!r.repeating());
+        }
+        assert!(r.seen.len() <= MAX_SEEN);
+        assert!(r.ring.len() as u64 <= (MAX_PERIOD + WINDOW).next_power_of_two());
+    }
+
+    #[test]
+    fn one_size_allocated_and_freed_repeats() {
+        let mut r = Repeats::default();
+        let seen = run(&mut r, &[(4096, false), (4096, true)], 64);
+        assert!(seen[40..].iter().all(|&x| x));
+    }
+}
