@@ -124,8 +124,8 @@ pub struct PoolConfig {
     /// `host_alloc_ns` and `host_free_ns`: two clock reads a call, off by default.
     pub time_calls: bool,
     /// A job that repeats gets a planned layout (expandable segments only; see
-    /// `pool/plan.rs`). Off by default for now: replays of short real traces with a lagging
-    /// GPU still lose memory to it.
+    /// `pool/plan.rs`). Off by default for now: fixed-shape GPT training in PyTorch still
+    /// loses memory to it (README, "Planned layouts").
     pub planned_layout: bool,
 }
 

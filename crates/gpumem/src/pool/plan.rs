@@ -99,11 +99,33 @@ fn place_in(
     best_gap: bool,
     fixed: &[(u64, u64)],
 ) -> (Vec<u64>, u64) {
+    place_around(lives, period, order, best_gap, fixed, &[])
+}
+
+/// [`place_in`] with `pinned` blocks (index, offset) placed first where they are.
+fn place_around(
+    lives: &[Life],
+    period: u32,
+    order: &[usize],
+    best_gap: bool,
+    fixed: &[(u64, u64)],
+    pinned: &[(usize, u64)],
+) -> (Vec<u64>, u64) {
     let mut offset = vec![0u64; lives.len()];
     let mut placed: Vec<usize> = Vec::with_capacity(lives.len());
     let mut total = 0u64;
     let mut busy: Vec<(u64, u64)> = Vec::new();
+    let mut is_pinned = vec![false; lives.len()];
+    for &(i, off) in pinned {
+        offset[i] = off;
+        is_pinned[i] = true;
+        placed.push(i);
+        total = total.max(off + lives[i].size);
+    }
     for &i in order {
+        if is_pinned[i] {
+            continue;
+        }
         let l = &lives[i];
         busy.clear();
         busy.extend_from_slice(fixed);
@@ -213,6 +235,8 @@ pub(super) struct Layout {
     slot_at: Vec<u32>,
     /// per slot, its offset and bytes
     slots: Vec<(u64, u64)>,
+    /// per slot, its life (positions from the plan's start)
+    lives: Vec<Life>,
     /// bytes the layout spans from its region's start (whole pages)
     region: u64,
     /// the job's period (`prints` holds it twice where blocks live longer than it)
@@ -314,6 +338,7 @@ pub(super) fn layout(
         prints,
         slot_at,
         slots,
+        lives,
         region: total.div_ceil(page).max(1) * page,
         home: home.map(|h| (h.seg, h.addr)),
         half,
@@ -701,6 +726,9 @@ impl CachingPool {
             (l.region, l.stream, l.home)
         };
         if let Some((seg, addr)) = home {
+            if self.segment_index.get(&addr) == Some(&seg) {
+                self.plan_place_at_start(i, seg);
+            }
             if self.plan_adopt(i, seg, addr, stream) {
                 return Ok(());
             }
@@ -729,6 +757,59 @@ impl CachingPool {
                 Err(e)
             }
         }
+    }
+
+    /// Place plan `i` again now, at its start, around what its home segment `seg` holds: its
+    /// blocks that are still live from the period before (their lives wrap around the start)
+    /// keep the places they have (the plan pins them there), every other block in use stays
+    /// in the way. Once per plan, on the allocating thread (one greedy pass).
+    fn plan_place_at_start(&mut self, i: usize, seg: u32) {
+        self.flush_quick();
+        let n0 = self.plans.repeats.events();
+        let p = &self.plans.plans[i];
+        let period = p.layout.prints.len() as u64;
+        let base = self.segments[seg as usize].addr;
+        let mut fixed = Vec::new();
+        let mut pinned: Vec<(usize, u64)> = Vec::new();
+        let mut id = self.segments[seg as usize].head;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if matches!(b.state, State::Allocated | State::Pending) {
+                let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
+                let slot = (born != NONE && born < n0 && n0 - born < period)
+                    .then(|| p.layout.slot_at[(period - (n0 - born)) as usize])
+                    .filter(|&k| k != NO_SLOT)
+                    .map(|k| k as usize)
+                    .filter(|&k| {
+                        let l = &p.layout.lives[k];
+                        l.end < l.start && l.size == b.rounded && b.state == State::Allocated
+                    });
+                match slot {
+                    Some(k) if !pinned.iter().any(|&(j, _)| j == k) => {
+                        pinned.push((k, b.addr - base))
+                    }
+                    _ => fixed.push((b.addr - base, b.addr - base + b.size)),
+                }
+            }
+            id = b.next;
+        }
+        let lives = &p.layout.lives;
+        let mut order: Vec<usize> = (0..lives.len()).collect();
+        let len = |l: &Life| (l.end + period as u32 - l.start) % period as u32;
+        order.sort_by_key(|&k| {
+            (
+                u64::MAX - lives[k].size,
+                u32::MAX - len(&lives[k]),
+                lives[k].start,
+            )
+        });
+        let (offsets, total) = place_around(lives, period as u32, &order, false, &fixed, &pinned);
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let p = &mut self.plans.plans[i];
+        for (k, s) in p.layout.slots.iter_mut().enumerate() {
+            s.0 = offsets[k];
+        }
+        p.layout.region = total.div_ceil(page).max(1) * page;
     }
 
     /// Take segment `seg` (at `addr`) over for plan `i`: its free blocks leave the free sets
