@@ -261,12 +261,13 @@ pub(super) fn layout(
 ) -> Option<Layout> {
     let skip = events.len() - period as usize;
     let (mut all, long) = lives(&events[skip..], first + skip as u64, period as usize);
-    let (events, half) = if long > 0 && skip >= period as usize {
+    let half = period as u32;
+    let events = if long > 0 && skip >= period as usize {
         let skip = skip - period as usize;
         all = lives(&events[skip..], first + skip as u64, period as usize).0;
-        (&events[skip..], period as u32)
+        &events[skip..]
     } else {
-        (&events[skip..], period as u32)
+        &events[skip..]
     };
     let period = events.len() as u32;
     // only blocks of `stream`: the print mixes the stream in, so compare with its own
