@@ -23,6 +23,9 @@
 //! - `lending.rs`: with several streams, a stream that would have to move pages takes a free,
 //!   mapped block of another stream's expandable segment instead, ordered after that stream's
 //!   work by an event wait on the GPU (as `cudaMallocAsync` shares one pool across streams).
+//! - `repeat.rs`, `plan.rs` (`planned_layout:True`, off by default): a job whose large-block
+//!   events repeat gets its step placed once by the blocks' lifetimes, in its large
+//!   expandable segment around the blocks that stay, and served by position in the period.
 //! - `events.rs`: blocks other streams still use ([`CachingPool::record_stream`]) wait for
 //!   events before reuse; checkpoint events tell which freed pages are idle.
 //! - `inspect.rs`: segment listings, the out-of-memory report, the invariant checker.
