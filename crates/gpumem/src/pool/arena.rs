@@ -128,7 +128,7 @@ impl CachingPool {
     /// owner's free ticks; the block remembers the other stream's free instead, with a
     /// checkpoint recorded there.
     pub(super) fn free_block_used_by(&mut self, id: u32, lent_to: Option<Stream>) {
-        if self.in_plan(id) {
+        if self.plans.busy() && self.in_plan(id) {
             self.plan_release(id);
             return;
         }
@@ -165,26 +165,14 @@ impl CachingPool {
         if prev != NIL && self.is_mergeable(prev, stream) {
             self.leave_free(prev);
             self.merge_foreign(id, prev);
-            let b = self.release_block(id);
-            let p = &mut self.blocks[prev as usize];
-            p.size += b.size;
-            p.next = b.next;
-            if b.next != NIL {
-                self.blocks[b.next as usize].prev = prev;
-            }
+            self.absorb_next(prev);
             id = prev;
         }
         let next = self.blocks[id as usize].next;
         if next != NIL && self.is_mergeable(next, stream) {
             self.leave_free(next);
             self.merge_foreign(next, id);
-            let n = self.release_block(next);
-            let b = &mut self.blocks[id as usize];
-            b.size += n.size;
-            b.next = n.next;
-            if n.next != NIL {
-                self.blocks[n.next as usize].prev = id;
-            }
+            self.absorb_next(id);
         }
         let seg = self.blocks[id as usize].segment;
         self.segments[seg as usize].last_used = self.tick;
@@ -202,6 +190,18 @@ impl CachingPool {
             }
         }
         self.enter_free(id);
+    }
+
+    /// Merge the block after `id` into it (that slot is retired).
+    pub(super) fn absorb_next(&mut self, id: u32) {
+        let next = self.blocks[id as usize].next;
+        let n = self.release_block(next);
+        let b = &mut self.blocks[id as usize];
+        b.size += n.size;
+        b.next = n.next;
+        if n.next != NIL {
+            self.blocks[n.next as usize].prev = id;
+        }
     }
 
     pub(super) fn is_mergeable(&self, id: u32, stream: Stream) -> bool {

@@ -1032,13 +1032,7 @@ impl CachingPool {
                 .free_at
                 .remove(&self.blocks[prev as usize].addr);
             self.unmark_inactive(prev);
-            let b = self.release_block(id);
-            let p = &mut self.blocks[prev as usize];
-            p.size += b.size;
-            p.next = b.next;
-            if b.next != NIL {
-                self.blocks[b.next as usize].prev = prev;
-            }
+            self.absorb_next(prev);
             id = prev;
         }
         let next = self.blocks[id as usize].next;
@@ -1047,13 +1041,7 @@ impl CachingPool {
                 .free_at
                 .remove(&self.blocks[next as usize].addr);
             self.unmark_inactive(next);
-            let n = self.release_block(next);
-            let b = &mut self.blocks[id as usize];
-            b.size += n.size;
-            b.next = n.next;
-            if n.next != NIL {
-                self.blocks[n.next as usize].prev = id;
-            }
+            self.absorb_next(id);
         }
         self.plan_enter_free(i, id);
     }

@@ -784,22 +784,18 @@ fn a_stream_without_a_segment_of_its_own_borrows_and_everything_goes_back() {
 #[test]
 fn a_step_that_needs_moves_every_step_keeps_them_within_the_time_budget() {
     let (mut p, dev) = vmm_pool(1 << 40);
-    let vmm = |d: &SimulatedDevice| {
-        let c = d.calls();
-        c.creates + c.maps + c.set_access + c.unmaps + c.releases + c.records
-    };
     let mut per_step = Vec::new();
     let mut reserved = Vec::new();
     for step in 0..100 {
         dev.set_time_us(step * 1_000_000);
-        let before = vmm(&dev);
+        let before = vmm_calls(&dev);
         let x = alloc(&mut p, A, 100 * MIB);
         let y = alloc(&mut p, A, 60 * MIB);
         free(&mut p, x);
         let z = alloc(&mut p, A, 150 * MIB);
         free(&mut p, y);
         free(&mut p, z);
-        per_step.push(vmm(&dev) - before);
+        per_step.push(vmm_calls(&dev) - before);
         reserved.push(p.stats().reserved_bytes.all.peak);
     }
     let s = p.stats();
