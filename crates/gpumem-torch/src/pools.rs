@@ -46,6 +46,104 @@ pub extern "C" fn gpumem_pool_incref(device: c_int, a: u64, b: u64) -> c_int {
     })
 }
 
+/// Another allocator's calls, as C++ hands them over: `alloc(ctx, bytes, stream)` returns an
+/// address or null, `free(ctx, ptr, bytes, stream)` gives one back, `drop(ctx)` lets go of
+/// `ctx` once the pool is gone.
+pub type ExternalAlloc = unsafe extern "C" fn(*mut c_void, usize, *mut c_void) -> *mut c_void;
+/// See [`ExternalAlloc`].
+pub type ExternalFree = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, *mut c_void);
+/// See [`ExternalAlloc`].
+pub type ExternalDrop = unsafe extern "C" fn(*mut c_void);
+
+/// A `torch.cuda.MemPool`'s own allocator (`CUDAPluggableAllocator`, NCCL's), reached through
+/// the C++ side's three calls.
+struct CSource {
+    ctx: *mut c_void,
+    alloc: ExternalAlloc,
+    free: ExternalFree,
+    drop: ExternalDrop,
+    name: String,
+}
+
+// SAFETY: `ctx` is the C++ side's handle on a thread-safe allocator (its calls may come from
+// any thread, as PyTorch's own pools make them), released once in `Drop`.
+unsafe impl Send for CSource {}
+// SAFETY: as for Send: the C++ calls are thread-safe.
+unsafe impl Sync for CSource {}
+
+impl gpumem::resource::external::ExternalSource for CSource {
+    fn alloc(&self, bytes: usize, stream: Stream) -> Option<gpumem::DevPtr> {
+        // SAFETY: the C++ side's contract (gpumem_pool_incref_external): `alloc` takes `ctx`
+        // and a size and stream, returns null on failure and never throws.
+        let p = unsafe { (self.alloc)(self.ctx, bytes, stream.raw() as *mut c_void) };
+        (!p.is_null()).then_some(p as gpumem::DevPtr)
+    }
+    fn free(&self, ptr: gpumem::DevPtr, bytes: usize, stream: Stream) {
+        // SAFETY: as for alloc; `ptr` came from `alloc` with `bytes`.
+        unsafe {
+            (self.free)(
+                self.ctx,
+                ptr as *mut c_void,
+                bytes,
+                stream.raw() as *mut c_void,
+            )
+        }
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for CSource {
+    fn drop(&mut self) {
+        // SAFETY: `ctx` is released once, here, after its last use.
+        unsafe { (self.drop)(self.ctx) }
+    }
+}
+
+/// [`gpumem_pool_incref`] for a `MemPool` over another allocator: a new pool's segments come
+/// from `alloc` and go back through `free` (their bytes count against the memory fraction as
+/// the device's do); `drop(ctx)` is called once when the pool no longer needs `ctx` (at once,
+/// if the pool existed already). `name` (null or a NUL-terminated string) names the allocator
+/// in messages. 0 on success.
+///
+/// # Safety
+/// `alloc`, `free` and `drop` must be callable from any thread with `ctx`, never unwind, and
+/// `alloc` must return null when it has no memory; `name` must be null or NUL-terminated.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn gpumem_pool_incref_external(
+    device: c_int,
+    a: u64,
+    b: u64,
+    ctx: *mut c_void,
+    alloc: ExternalAlloc,
+    free: ExternalFree,
+    drop: ExternalDrop,
+    name: *const c_char,
+) -> c_int {
+    let name = if name.is_null() {
+        "another allocator".to_string()
+    } else {
+        // SAFETY: the caller's contract: a NUL-terminated string.
+        unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let source = CSource {
+        ctx,
+        alloc,
+        free,
+        drop,
+        name,
+    };
+    guard(-1, || {
+        allocator(device).map_or(-1, |al| {
+            status(al.create_or_incref_pool_over(PoolId(a, b), Some(Box::new(source))))
+        })
+    })
+}
+
 /// Pool `(a, b)` never splits its blocks from now on (`setNoSplit`:
 /// `torch.cuda.MemPool(no_split=True)`). 0 on success, -1 if there is no such pool.
 #[no_mangle]

@@ -308,6 +308,68 @@ def mem_pool():
 check("torch.cuda.MemPool / use_mem_pool", mem_pool)
 
 
+def mem_pool_over_another_allocator():
+    import ctypes
+    import subprocess
+    import tempfile
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    # a CUDAPluggableAllocator of its own, built with g++ over cudart (no torch headers)
+    src = r"""
+    #include <cuda_runtime_api.h>
+    #include <cstddef>
+    extern "C" {
+    int other_allocs = 0, other_frees = 0;
+    void* other_alloc(size_t size, int, void*) {
+      void* p = nullptr;
+      if (cudaMalloc(&p, size) != cudaSuccess) return nullptr;
+      ++other_allocs;
+      return p;
+    }
+    void other_free(void* p, size_t, int, void*) {
+      cudaFree(p);
+      ++other_frees;
+    }
+    }
+    """
+    d = tempfile.mkdtemp()
+    cpp, so = os.path.join(d, "other.cpp"), os.path.join(d, "other.so")
+    with open(cpp, "w") as f:
+        f.write(src)
+    subprocess.run(["g++", "-shared", "-fPIC", "-O1", "-o", so, cpp, f"-I{CUDA_HOME}/include",
+                    f"-L{CUDA_HOME}/lib64", "-lcudart"], check=True)
+    lib = ctypes.CDLL(so)
+    allocs = ctypes.c_int.in_dll(lib, "other_allocs")
+    frees = ctypes.c_int.in_dll(lib, "other_frees")
+    other = torch.cuda.memory.CUDAPluggableAllocator(so, "other_alloc", "other_free")
+    pool = torch.cuda.MemPool(other.allocator())
+    reserved = torch.cuda.memory_reserved()
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.full((4 << 20,), 7, dtype=torch.uint8, device="cuda")
+    assert allocs.value == 1, f"the pool's allocator was called {allocs.value} times"
+    assert torch.cuda.memory_reserved() >= reserved + (4 << 20), "its segment is not reserved"
+    segs = pool.snapshot()
+    assert len(segs) == 1 and segs[0]["address"] <= a.data_ptr() < segs[0]["address"] + \
+        segs[0]["total_size"], segs
+    assert not segs[0]["is_expandable"], segs
+    b = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    assert allocs.value == 1, "the shared pool took memory from the MemPool's allocator"
+    pa = a.data_ptr()
+    del a
+    with torch.cuda.use_mem_pool(pool):
+        c = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    assert c.data_ptr() == pa and allocs.value == 1, "the pool did not cache its memory"
+    del c, b, pool
+    torch.cuda.empty_cache()
+    assert frees.value == 1, f"the pool's memory went back {frees.value} times, not once"
+    return "segments from the pool's own allocator, cached, reserved, and given back once"
+
+
+check("torch.cuda.MemPool over another allocator (CUDAPluggableAllocator)",
+      mem_pool_over_another_allocator)
+
+
 def checkpoint():
     dev = torch.cuda.current_device()
     pool = torch.cuda.MemPool()

@@ -12,6 +12,12 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub struct Limit {
     inner: Arc<dyn Backend>,
+    /// the budget and what is charged to it, shared by the limits made with [`Limit::sharing`]
+    counts: Arc<Counts>,
+}
+
+#[derive(Debug)]
+struct Counts {
     limit: AtomicU64,
     used: AtomicU64,
 }
@@ -26,22 +32,33 @@ impl Limit {
     pub fn new(inner: Arc<dyn Backend>, limit: u64) -> Self {
         Self {
             inner,
-            limit: AtomicU64::new(limit),
-            used: AtomicU64::new(0),
+            counts: Arc::new(Counts {
+                limit: AtomicU64::new(limit),
+                used: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The same budget over another resource (memory from another allocator, which counts
+    /// against the process's limit as the device's own does).
+    pub fn sharing(&self, inner: Arc<dyn Backend>) -> Self {
+        Self {
+            inner,
+            counts: self.counts.clone(),
         }
     }
 
     /// Change the budget (what is already obtained stays; later requests see the new one).
     pub fn set_limit(&self, limit: u64) {
-        self.limit.store(limit, Ordering::Relaxed);
+        self.counts.limit.store(limit, Ordering::Relaxed);
     }
 
     /// Count `b` bytes against the budget, or refuse them.
     fn charge(&self, b: u64) -> Result<()> {
-        let before = self.used.fetch_add(b, Ordering::Relaxed);
-        let limit = self.limit.load(Ordering::Relaxed);
+        let before = self.counts.used.fetch_add(b, Ordering::Relaxed);
+        let limit = self.counts.limit.load(Ordering::Relaxed);
         if before.saturating_add(b) > limit {
-            self.used.fetch_sub(b, Ordering::Relaxed);
+            self.counts.used.fetch_sub(b, Ordering::Relaxed);
             return Err(Error::ResourceExhausted {
                 resource: format!("{} (budget of {limit} bytes)", self.inner.name()),
                 bytes: b,
@@ -52,7 +69,7 @@ impl Limit {
 
     /// Bytes obtained through this adaptor and not yet returned.
     pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+        self.counts.used.load(Ordering::Relaxed)
     }
 }
 
@@ -61,13 +78,13 @@ impl Resource for Limit {
         let b = bytes as u64;
         self.charge(b)?;
         self.inner.allocate(stream, bytes, align).inspect_err(|_| {
-            self.used.fetch_sub(b, Ordering::Relaxed);
+            self.counts.used.fetch_sub(b, Ordering::Relaxed);
         })
     }
 
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()> {
         self.inner.deallocate(ptr, bytes, stream)?;
-        self.used.fetch_sub(bytes as u64, Ordering::Relaxed);
+        self.counts.used.fetch_sub(bytes as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -75,7 +92,8 @@ impl Resource for Limit {
         let m = self.inner.mem_info()?;
         Ok(MemInfo {
             free: m.free.min(
-                self.limit
+                self.counts
+                    .limit
                     .load(Ordering::Relaxed)
                     .saturating_sub(self.used()),
             ),
@@ -84,7 +102,7 @@ impl Resource for Limit {
     }
 
     fn limit(&self) -> Option<u64> {
-        Some(self.limit.load(Ordering::Relaxed))
+        Some(self.counts.limit.load(Ordering::Relaxed))
     }
 
     fn name(&self) -> &str {
@@ -130,7 +148,7 @@ impl VirtualMemory for Limit {
         let vmm = self.inner_vmm()?;
         self.charge(bytes)?;
         vmm.map(addr, bytes).inspect_err(|_| {
-            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
         })
     }
 
@@ -140,7 +158,7 @@ impl VirtualMemory for Limit {
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner_vmm()?.unmap(addr, bytes)?;
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }
 
@@ -148,14 +166,14 @@ impl VirtualMemory for Limit {
         let vmm = self.inner_vmm()?;
         self.charge(bytes)?;
         vmm.map_on(addr, bytes, stream).inspect_err(|_| {
-            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
         })
     }
 
     fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         // the memory is the stream's to map again at once: the budget counts it free now
         self.inner_vmm()?.unmap_after(addr, bytes, stream, busy)?;
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }
 

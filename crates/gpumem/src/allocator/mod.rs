@@ -43,6 +43,9 @@ struct Inner {
     /// the budget adaptor, when the configuration set one
     limit: Option<Arc<Limit>>,
     backend: Arc<dyn Backend>,
+    /// the backend without the budget adaptor (pools over another allocator share the
+    /// stream operations; their bytes are charged to the same budget)
+    device: Arc<dyn Backend>,
     shards: Box<[Padded<Mutex<CachingPool>>]>,
     shared: Arc<SharedCounters>,
     config: Config,
@@ -106,6 +109,7 @@ impl CachingAllocator {
     /// A caching allocator over `backend`. A `memory_fraction` or `memory_limit_mb` in the
     /// configuration wraps the backend in a [`Limit`] budget.
     pub fn new(backend: Arc<dyn Backend>, config: Config) -> Result<Self> {
+        let device = backend.clone();
         let (backend, limit): (Arc<dyn Backend>, _) = match budget(&*backend, &config)? {
             Some(limit) => {
                 let l = Arc::new(Limit::new(backend, limit));
@@ -127,6 +131,7 @@ impl CachingAllocator {
         Ok(Self {
             inner: Arc::new(Inner {
                 backend,
+                device,
                 shards,
                 shared,
                 config,

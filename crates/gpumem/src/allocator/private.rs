@@ -7,6 +7,11 @@
 //! while its use count (graphs and `MemPool` objects that hold it) is above zero; at zero, and
 //! once nothing allocated from it is alive, its segments go back to the device.
 //!
+//! A `MemPool` built over another allocator (`torch.cuda.MemPool(allocator)`: a pluggable
+//! allocator, NCCL's) takes its segments from that allocator through an
+//! [`External`] resource and gives them back to it; its bytes count against the budget as the
+//! device's do.
+//!
 //! Private pools use classic segments: a graph replays at fixed addresses, so the pages under a
 //! graph's blocks could never move anyway, and classic segments need no events or page calls
 //! while a capture runs.
@@ -14,8 +19,10 @@
 use super::{CachingAllocator, Inner};
 use crate::error::{Error, Result};
 use crate::pool::{CachingPool, Handout, Layout, Restored, SegmentInfo, Stats};
-use crate::resource::{DevPtr, Stream};
+use crate::resource::external::{External, ExternalSource};
+use crate::resource::{Backend, DevPtr, Stream};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// A private pool's id: PyTorch's `MempoolId_t` (two numbers; `(0, 0)` is no pool).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -41,14 +48,26 @@ fn unknown(id: PoolId) -> Error {
 }
 
 impl Inner {
-    fn new_private(&self, id: PoolId) -> Private {
+    /// A new private pool over the device, or over `source` (another allocator's memory,
+    /// charged to the same budget).
+    fn new_private(&self, id: PoolId, source: Option<Box<dyn ExternalSource>>) -> Private {
         let mut config = self.config.clone();
         config.pool.expandable_segments = false;
         config.pool.cross_stream_reuse = false;
         config.pool.garbage_collection_threshold = None;
+        let backend: Arc<dyn Backend> = match source {
+            None => self.backend.clone(),
+            Some(source) => {
+                let external = Arc::new(External::new(self.device.clone(), source));
+                match &self.limit {
+                    Some(limit) => Arc::new(limit.sharing(external)),
+                    None => external,
+                }
+            }
+        };
         Private {
             id,
-            pool: CachingPool::new(self.backend.clone(), &config, self.shared.clone()),
+            pool: CachingPool::new(backend, &config, self.shared.clone()),
             uses: 0,
             capturing: 0,
         }
@@ -71,6 +90,18 @@ impl CachingAllocator {
     /// Make private pool `id` if there is none, and count one more user of it
     /// (`createOrIncrefPool`: a `torch.cuda.MemPool`, or a graph that shares another's pool).
     pub fn create_or_incref_pool(&self, id: PoolId) -> Result<()> {
+        self.create_or_incref_pool_over(id, None)
+    }
+
+    /// [`CachingAllocator::create_or_incref_pool`] for a pool whose segments, if it is new,
+    /// come from `source` (`torch.cuda.MemPool(allocator)`: a pluggable allocator, NCCL's) and
+    /// go back to it when the pool releases them. Its bytes count against the budget as the
+    /// device's do. An existing pool keeps the memory it was made with.
+    pub fn create_or_incref_pool_over(
+        &self,
+        id: PoolId,
+        source: Option<Box<dyn ExternalSource>>,
+    ) -> Result<()> {
         if id == PoolId(0, 0) {
             return Err(Error::InvalidArgument(
                 "pool id (0, 0) names no pool".into(),
@@ -80,7 +111,7 @@ impl CachingAllocator {
         match pools.iter_mut().find(|p| p.id == id) {
             Some(p) => p.uses += 1,
             None => {
-                let mut p = self.inner.new_private(id);
+                let mut p = self.inner.new_private(id, source);
                 p.uses = 1;
                 pools.push(p);
                 self.inner
@@ -530,6 +561,93 @@ mod tests {
         assert!(a.restore_pool(p2, &saved).is_err());
         assert_eq!(a.pool_live_allocations(p2).unwrap(), vec![y]);
         a.deallocate_ptr(x).unwrap();
+        a.deallocate_ptr(y).unwrap();
+    }
+
+    /// Another allocator: real host memory, with a record of what is out.
+    #[derive(Default)]
+    struct Other {
+        out: std::sync::Mutex<Vec<(DevPtr, usize)>>,
+        allocs: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ExternalSource for Arc<Other> {
+        fn alloc(&self, bytes: usize, _: Stream) -> Option<DevPtr> {
+            let layout = std::alloc::Layout::from_size_align(bytes, 4096).ok()?;
+            // SAFETY: bytes > 0 (the resource refuses 0); freed in `free` with this layout.
+            let p = unsafe { std::alloc::alloc(layout) } as DevPtr;
+            self.out.lock().unwrap().push((p, bytes));
+            self.allocs.fetch_add(1, Ordering::Relaxed);
+            Some(p)
+        }
+        fn free(&self, ptr: DevPtr, bytes: usize, _: Stream) {
+            let mut out = self.out.lock().unwrap();
+            let i = out.iter().position(|&o| o == (ptr, bytes)).unwrap();
+            out.swap_remove(i);
+            let layout = std::alloc::Layout::from_size_align(bytes, 4096).unwrap();
+            // SAFETY: allocated in `alloc` with this layout, freed once (removed from `out`).
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) }
+        }
+        fn name(&self) -> &str {
+            "other"
+        }
+    }
+
+    #[test]
+    fn a_pool_over_another_allocator_caches_its_memory_and_gives_it_back() {
+        let a = alloc();
+        let other = Arc::new(Other::default());
+        let id = PoolId(7, 0);
+        a.create_or_incref_pool_over(id, Some(Box::new(other.clone())))
+            .unwrap();
+        let x = a.allocate_in_pool(id, Stream(1), MIB, 512).unwrap();
+        assert_eq!(other.out.lock().unwrap().len(), 1);
+        let seg = other.out.lock().unwrap()[0];
+        assert!(x >= seg.0 && x < seg.0 + seg.1 as u64);
+        // the shared pool does not take from it
+        let y = a.allocate_ptr(Stream(1), MIB, 512).unwrap();
+        assert_eq!(other.allocs.load(Ordering::Relaxed), 1);
+        // freed blocks stay in the pool and serve it again
+        a.deallocate_ptr(x).unwrap();
+        let x2 = a.allocate_in_pool(id, Stream(1), MIB, 512).unwrap();
+        assert_eq!(x2, x);
+        assert_eq!(other.allocs.load(Ordering::Relaxed), 1);
+        assert!(a.stats().reserved_bytes.all.current >= 2 * seg.1 as u64);
+        // the pool's last user goes, then its last block: the memory goes back
+        a.release_pool(id).unwrap();
+        assert_eq!(other.out.lock().unwrap().len(), 1);
+        a.deallocate_ptr(x2).unwrap();
+        assert!(other.out.lock().unwrap().is_empty());
+        assert!(a.pool_ids().is_empty());
+        a.deallocate_ptr(y).unwrap();
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn another_allocators_memory_counts_against_the_budget() {
+        let config = Config::parse("memory_limit_mb:64").unwrap();
+        let a = CachingAllocator::new(Arc::new(HostResource::new()), config).unwrap();
+        let other = Arc::new(Other::default());
+        let id = PoolId(8, 0);
+        a.create_or_incref_pool_over(id, Some(Box::new(other.clone())))
+            .unwrap();
+        let x = a.allocate_in_pool(id, Stream(1), 50 * MIB, 512).unwrap();
+        // 50 MiB of the 64 are the other allocator's: the shared pool cannot take 20 more
+        let e = a.allocate_ptr(Stream(1), 20 * MIB, 512).unwrap_err();
+        assert!(e.is_out_of_memory(), "{e}");
+        // nor can the pool itself grow past the budget
+        let e = a
+            .allocate_in_pool(id, Stream(1), 20 * MIB, 512)
+            .unwrap_err();
+        assert!(e.is_out_of_memory(), "{e}");
+        assert_eq!(other.out.lock().unwrap().len(), 1);
+        let small = a.allocate_ptr(Stream(1), MIB, 512).unwrap();
+        a.deallocate_ptr(small).unwrap();
+        a.deallocate_ptr(x).unwrap();
+        a.release_pool(id).unwrap();
+        assert!(other.out.lock().unwrap().is_empty());
+        // its bytes are back in the budget
+        let y = a.allocate_ptr(Stream(1), 20 * MIB, 512).unwrap();
         a.deallocate_ptr(y).unwrap();
     }
 }

@@ -8,9 +8,11 @@
 //! typed buffers need. A [`Backend`] is a resource with stream operations.
 //!
 //! Implementations: [`host::HostResource`] (plain host memory, the CI backend),
+//! [`external::External`] (another allocator's memory, for pools built over it),
 //! [`sim::SimulatedDevice`] (fixed capacity, synthetic addresses, controllable events, virtual
 //! memory), and with the `cuda` feature everything under [`cuda`], where all CUDA FFI lives.
 
+pub mod external;
 mod forward;
 pub mod host;
 pub mod info;

@@ -59,6 +59,10 @@ int gpumem_pool_incref(int device, uint64_t a, uint64_t b);
 int gpumem_pool_release(int device, uint64_t a, uint64_t b);
 int gpumem_pool_use_count(int device, uint64_t a, uint64_t b);
 int gpumem_pool_set_no_split(int device, uint64_t a, uint64_t b);
+int gpumem_pool_incref_external(int device, uint64_t a, uint64_t b, void* ctx,
+                                void* (*alloc)(void*, size_t, void*),
+                                void (*free)(void*, void*, size_t, void*),
+                                void (*drop)(void*), const char* name);
 void* gpumem_pool_alloc_checked(int device, uint64_t a, uint64_t b, ssize_t size, void* stream,
                                 char* err, size_t errlen, int* oom);
 ssize_t gpumem_pool_live(int device, uint64_t a, uint64_t b, uint64_t* out, size_t cap);
@@ -582,20 +586,58 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
       TORCH_WARN(std::string("gpumem: releasePool: pool ") + pool_name(id) +
                  " has no users to release");
     }
+    // a pool nobody holds any more lends nothing on out-of-memory (as in PyTorch)
+    if (gpumem_pool_use_count(dev, id.first, id.second) <= 0) setUseOnOOM(dev, id, false);
   }
   int getPoolUseCount(c10::DeviceIndex dev, c10::MempoolId_t id) override {
     int n = gpumem_pool_use_count(dev, id.first, id.second);
     return n < 0 ? 0 : n;
   }
+  // MemPool(allocator): the pool's segments come from that allocator (a
+  // CUDAPluggableAllocator, NCCL's) and go back to it, as in PyTorch's own pools; gpumem
+  // caches them and counts them against the memory fraction
   void createOrIncrefPool(c10::DeviceIndex dev, c10::MempoolId_t id,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    TORCH_CHECK(!allocator || allocator.get() == this,
-                "gpumem: a MemPool backed by another allocator (" +
-                    (allocator ? allocator->name() : std::string("?")) +
-                    ") cannot live inside gpumem; create the MemPool without an allocator");
-    TORCH_CHECK(gpumem_pool_incref(dev, id.first, id.second) == 0,
-                "gpumem: cannot create pool " + pool_name(id) + " on device " +
-                    std::to_string(dev));
+    int r = 0;
+    if (allocator && allocator.get() != this) {
+      auto* ctx = new std::shared_ptr<CCA::CUDAAllocator>(std::move(allocator));
+      std::string name = (*ctx)->name();
+      r = gpumem_pool_incref_external(dev, id.first, id.second, ctx, &external_alloc,
+                                      &external_free, &external_drop, name.c_str());
+    } else {
+      r = gpumem_pool_incref(dev, id.first, id.second);
+    }
+    TORCH_CHECK(r == 0, "gpumem: cannot create pool " + pool_name(id) + " on device " +
+                            std::to_string(dev));
+  }
+  // the other allocator's calls, as gpumem makes them (never throwing across it)
+  static void* external_alloc(void* ctx, size_t n, void* stream) noexcept {
+    try {
+      auto& a = *static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(ctx);
+      return a->raw_alloc_with_stream(n, static_cast<cudaStream_t>(stream));
+    } catch (const std::exception& e) {
+      warn_quietly(std::string("gpumem: the MemPool's allocator failed: ") + e.what());
+      return nullptr;
+    }
+  }
+  static void external_free(void* ctx, void* p, size_t, void*) noexcept {
+    try {
+      auto& a = *static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(ctx);
+      a->raw_delete(p);
+    } catch (const std::exception& e) {
+      warn_quietly(std::string("gpumem: the MemPool's allocator could not free its memory: ") +
+                   e.what());
+    }
+  }
+  // a warning that cannot throw (Python may turn warnings into errors)
+  static void warn_quietly(const std::string& what) noexcept {
+    try {
+      TORCH_WARN(what);
+    } catch (...) {
+    }
+  }
+  static void external_drop(void* ctx) noexcept {
+    delete static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(ctx);
   }
   void setUseOnOOM(c10::DeviceIndex dev, c10::MempoolId_t id, bool use_on_oom) override {
     std::lock_guard<std::mutex> l(mu_);
