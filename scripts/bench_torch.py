@@ -485,7 +485,7 @@ def worker(workload, setting, steps):
             print("STEP", len(times), f"{times[-1]:.1f}ms", *(f"{k}={s.get(k, 0)}" for k in (
                 "num_move_stops", "vmm_calls_foreground", "vmm_calls_background",
                 "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_page_moves", "num_pressure_moves", "page_move_ns",
-                "num_plans", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes",
+                "num_plans", "num_plans_declined", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes",
                 *TIME_KEYS)), file=sys.stderr, flush=True)
     total = (time.perf_counter() - start) * 1e3
     if setting.startswith("gpumem"):
@@ -501,6 +501,7 @@ def worker(workload, setting, steps):
         "step_ms": statistics.median(times[warm:]) if workload not in WHOLE_RUN else total,
         "total_ms": total,
         "steps": len(times),
+        "times_ms": [round(x, 2) for x in times],
         "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
         "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
         "losses": losses,
@@ -513,7 +514,7 @@ def worker(workload, setting, steps):
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
                       "num_ordered_unmaps", "num_cross_stream_moves", "num_cross_stream_blocks",
                       "num_move_stops", "num_pressure_moves", "page_move_ns", "page_map_ns",
-                      "num_plans", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes")
+                      "num_plans", "num_plans_declined", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:
@@ -778,7 +779,8 @@ def main():
                          f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']} "
                          f"stops {g.get('num_move_stops', 0)} "
                          f"last-10 fg {g.get('vmm_calls_foreground_per_late_step', 0):.1f} "
-                         f"plans {g.get('num_plans', 0)}")
+                         f"plans {g.get('num_plans', 0)} "
+                         f"(declined {g.get('num_plans_declined', 0)})")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")

@@ -285,7 +285,7 @@ pub const KEYS: &[Key] = &[
     Key {
         name: "planned_layout",
         value: "`True` or `False`",
-        meaning: "a job whose allocations repeat (a training step, fixed shapes) gets its step's blocks over 1 MiB placed once by their lifetimes, around its long-lived tensors, and served there with no search and no driver call (expandable segments only; off by default: see the README)",
+        meaning: "a job whose allocations repeat (a training step, fixed shapes) gets its step's blocks over 1 MiB placed once by their lifetimes, around its long-lived tensors, and served there with no search and no driver call, where that takes no more than 1% over the memory the dynamic layout reached (expandable segments only)",
         set: |c, v| {
             c.pool.planned_layout = boolean(v)?;
             Ok(())

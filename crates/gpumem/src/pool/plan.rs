@@ -361,6 +361,15 @@ pub(super) struct Home {
     top: u64,
 }
 
+/// Whether a plan whose region spans `region` bytes, taking over a segment with `mapped`
+/// bytes mapped while the pool reserves `reserved`, is worth having: reserved memory with it
+/// stays within 1% of the high-water mark `high_water` the dynamic layout reached. Otherwise
+/// the dynamic layout goes on, for good.
+fn worth_planning(reserved: u64, mapped: u64, region: u64, high_water: u64) -> bool {
+    let with_plan = reserved.saturating_sub(mapped) + region;
+    with_plan as u128 * 100 <= high_water as u128 * 101
+}
+
 /// A plan in use: its layout, its region and where the job stands in it.
 #[derive(Debug)]
 pub(super) struct Plan {
@@ -376,6 +385,9 @@ pub(super) struct Plan {
     free_at: BTreeMap<u64, u32>,
     /// pool tick when the plan was last in step
     used: u64,
+    /// the plan would take more memory than the dynamic layout holds: it is kept (so that
+    /// the job is not planned again) and never serves
+    declined: bool,
 }
 
 impl Plan {
@@ -403,6 +415,7 @@ impl Plan {
             seg: NIL,
             free_at: BTreeMap::new(),
             used: 0,
+            declined: false,
         }
     }
 
@@ -726,9 +739,23 @@ impl CachingPool {
             let l = &self.plans.plans[i].layout;
             (l.region, l.stream, l.home)
         };
+        if self.plans.plans[i].declined {
+            return Err(Error::InvalidArgument("the plan was declined".into()));
+        }
         if let Some((seg, addr)) = home {
             if self.segment_index.get(&addr) == Some(&seg) {
                 self.plan_place_at_start(i, seg);
+                let page = self.policy.page.unwrap_or(MIN_BLOCK);
+                let mapped = self.segments[seg as usize]
+                    .pages
+                    .as_ref()
+                    .map_or(0, |p| p.mapped * page);
+                let region = self.plans.plans[i].layout.region;
+                if !worth_planning(self.stats.reserved(), mapped, region, self.high_water) {
+                    self.plans.plans[i].declined = true;
+                    self.stats.num_plans_declined += 1;
+                    return Err(Error::InvalidArgument("the plan was declined".into()));
+                }
             }
             if self.plan_adopt(i, seg, addr, stream) {
                 return Ok(());
@@ -1130,6 +1157,19 @@ mod tests {
 
     fn life(size: u64, start: u32, end: u32) -> Life {
         Life { size, start, end }
+    }
+
+    #[test]
+    fn a_plan_is_declined_where_it_would_take_more_than_one_percent_past_the_high_water_mark() {
+        let g = 1u64 << 30;
+        // the segment's 8 GiB of the pool's 10 replaced by a region of 8.05 GiB: within 1%
+        assert!(worth_planning(10 * g, 8 * g, 8 * g + g / 20, 10 * g));
+        // ... of 8.2 GiB: 2% past the mark
+        assert!(!worth_planning(10 * g, 8 * g, 8 * g + g / 5, 10 * g));
+        // a mark reached earlier leaves room: the same region within the 10.5 GiB peak
+        assert!(worth_planning(10 * g, 8 * g, 8 * g + g / 5, 10 * g + g / 2));
+        // a region smaller than what it replaces always pays
+        assert!(worth_planning(10 * g, 8 * g, 7 * g, 10 * g));
     }
 
     #[test]

@@ -141,6 +141,8 @@ pub struct Stats {
     pub page_map_ns: u64,
     /// planned layouts made (see `pool/plan.rs`)
     pub num_plans: u64,
+    /// plans that would have taken more memory than the dynamic layout held, left unused
+    pub num_plans_declined: u64,
     /// allocations served at their planned offsets
     pub num_plan_allocs: u64,
     /// allocations in step with a plan whose bytes were not free (served by the dynamic pool)
@@ -282,6 +284,7 @@ impl Stats {
         self.num_move_stops += o.num_move_stops;
         self.page_map_ns += o.page_map_ns;
         self.num_plans += o.num_plans;
+        self.num_plans_declined += o.num_plans_declined;
         self.num_plan_allocs += o.num_plan_allocs;
         self.num_plan_misses += o.num_plan_misses;
         self.plan_reserved_bytes += o.plan_reserved_bytes;
@@ -426,6 +429,7 @@ pub(crate) struct HotStats {
     pub(crate) num_pressure_moves: u64,
     pub(crate) page_map_ns: u64,
     pub(crate) num_plans: u64,
+    pub(crate) num_plans_declined: u64,
     pub(crate) num_plan_allocs: u64,
     pub(crate) num_plan_misses: u64,
 }
@@ -598,6 +602,7 @@ impl HotStats {
             num_pressure_moves: self.num_pressure_moves,
             page_map_ns: self.page_map_ns,
             num_plans: self.num_plans,
+            num_plans_declined: self.num_plans_declined,
             num_plan_allocs: self.num_plan_allocs,
             num_plan_misses: self.num_plan_misses,
             ..Stats::default()
