@@ -55,6 +55,10 @@ impl Inner {
         config.pool.expandable_segments = false;
         config.pool.cross_stream_reuse = false;
         config.pool.garbage_collection_threshold = None;
+        // best fit for every allocation, as PyTorch's pools: a graph's few allocations gain
+        // nothing from the quick cache, and its last-freed-first order would put a capture's
+        // tensors in other blocks than PyTorch does
+        config.pool.quick_cache = 0;
         let backend: Arc<dyn Backend> = match source {
             None => self.backend.clone(),
             Some(source) => {
@@ -562,6 +566,26 @@ mod tests {
         assert_eq!(a.pool_live_allocations(p2).unwrap(), vec![y]);
         a.deallocate_ptr(x).unwrap();
         a.deallocate_ptr(y).unwrap();
+    }
+
+    #[test]
+    fn a_private_pool_takes_the_best_fit_not_the_block_freed_last() {
+        let a = alloc();
+        let id = PoolId(9, 0);
+        a.create_or_incref_pool(id).unwrap();
+        // two blocks of 10 MiB less 512 B fill a 20 MiB segment; the second keeps the last
+        // 1,024 B (too few to split off), so it is the larger
+        let n = 10 * MIB - 512;
+        let x = a.allocate_in_pool(id, Stream(1), n, 512).unwrap();
+        let y = a.allocate_in_pool(id, Stream(1), n, 512).unwrap();
+        assert_eq!(a.pool_segments(id).unwrap().len(), 1);
+        a.deallocate_ptr(x).unwrap();
+        a.deallocate_ptr(y).unwrap();
+        // as in PyTorch, the exact block, although the larger was freed last
+        let z = a.allocate_in_pool(id, Stream(1), n, 512).unwrap();
+        assert_eq!(z, x);
+        a.deallocate_ptr(z).unwrap();
+        a.release_pool(id).unwrap();
     }
 
     /// Another allocator: real host memory, with a record of what is out.
