@@ -609,6 +609,12 @@ impl CachingAllocator {
         self.private_check_invariants()
     }
 
+    /// Tell `hook` of every range of memory that comes to this allocator's pools (private
+    /// pools included) or leaves them, from now on (see [`crate::pool::SegmentHook`]).
+    pub fn add_segment_hook(&self, hook: crate::pool::SegmentHook) {
+        self.inner.shared.add_segment_hook(hook);
+    }
+
     /// The backend (with its budget adaptor, if any).
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.inner.backend

@@ -329,6 +329,7 @@ impl CachingPool {
             stream,
         );
         if on {
+            self.shared.tell(SegmentChange::Map, addr, bytes, stream);
             self.stats.reserved_bytes.inc(kind, bytes);
             self.high_water = self.high_water.max(self.stats.reserved());
             self.stats.num_device_alloc += 1;
@@ -607,10 +608,13 @@ impl CachingPool {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let base = self.segments[seg as usize].addr;
         let mut got = 0;
+        let seg_stream = self.segments[seg as usize].stream;
         for (first, n) in runs {
+            let (a, bytes) = (base + first * page, n * page);
+            self.shared.tell(SegmentChange::Unmap, a, bytes, seg_stream);
             match self
                 .vmm()
-                .and_then(|v| v.unmap_after(base + first * page, n * page, stream, busy))
+                .and_then(|v| v.unmap_after(a, bytes, stream, busy))
             {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
@@ -619,7 +623,11 @@ impl CachingPool {
                     }
                     got += n * page;
                 }
-                Err(e) => tracing::warn!("gpumem: unmapping pages in stream order failed: {e}"),
+                Err(e) => {
+                    // still mapped: told so again
+                    self.shared.tell(SegmentChange::Map, a, bytes, seg_stream);
+                    tracing::warn!("gpumem: unmapping pages in stream order failed: {e}")
+                }
             }
         }
         got
@@ -630,16 +638,19 @@ impl CachingPool {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let base = self.segments[seg as usize].addr;
         let mut got = 0;
+        let seg_stream = self.segments[seg as usize].stream;
         for (first, n) in runs {
-            match self
-                .vmm()
-                .and_then(|v| v.unmap(base + first * page, n * page))
-            {
+            let (a, bytes) = (base + first * page, n * page);
+            self.shared.tell(SegmentChange::Unmap, a, bytes, seg_stream);
+            match self.vmm().and_then(|v| v.unmap(a, bytes)) {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
                     got += n * page;
                 }
-                Err(e) => tracing::warn!("gpumem: unmapping pages failed: {e}"),
+                Err(e) => {
+                    self.shared.tell(SegmentChange::Map, a, bytes, seg_stream);
+                    tracing::warn!("gpumem: unmapping pages failed: {e}")
+                }
             }
         }
         got

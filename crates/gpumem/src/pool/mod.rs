@@ -152,6 +152,64 @@ pub struct SharedCounters {
     /// CUDA-graph captures under way on the device: while any is, the pool asks the backend
     /// whether a stream is capturing before it records an event there
     pub captures: std::sync::atomic::AtomicU32,
+    /// who is told of memory coming and going (see [`SegmentHook`])
+    hook: SegmentHooks,
+}
+
+/// Memory that comes to a pool or leaves it, as a [`SegmentHook`] hears of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentChange {
+    /// a classic segment was obtained (told after it exists)
+    Alloc,
+    /// a classic segment is about to go back (told before)
+    Free,
+    /// pages of an expandable segment were mapped (told after)
+    Map,
+    /// pages of an expandable segment are about to be unmapped (told before: a user of the
+    /// range, such as NCCL's buffer registration, lets go of it first)
+    Unmap,
+}
+
+/// Told of every range of memory that comes to the pools or leaves them, in order: a range is
+/// told as mapped before any block in it is handed out, and as unmapped or freed before the
+/// driver is asked to unmap or free it. Called on the allocating thread with the pool's lock
+/// held: it must not call the allocator. (PyTorch's allocator trace trackers, through which
+/// NCCL registers memory, hang here.)
+pub type SegmentHook = Arc<dyn Fn(SegmentChange, DevPtr, u64, Stream) + Send + Sync>;
+
+#[derive(Default)]
+struct SegmentHooks {
+    any: std::sync::atomic::AtomicBool,
+    hooks: std::sync::RwLock<Vec<SegmentHook>>,
+}
+
+impl std::fmt::Debug for SegmentHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SegmentHooks")
+    }
+}
+
+impl SharedCounters {
+    /// Add `hook`: it hears of every change from now on.
+    pub fn add_segment_hook(&self, hook: SegmentHook) {
+        if let Ok(mut h) = self.hook.hooks.write() {
+            h.push(hook);
+            self.hook.any.store(true, Ordering::Release);
+        }
+    }
+
+    /// Tell the hooks of `change` (nothing to do, and one load, where there are none).
+    #[inline]
+    pub(crate) fn tell(&self, change: SegmentChange, addr: DevPtr, bytes: u64, stream: Stream) {
+        if !self.hook.any.load(Ordering::Acquire) {
+            return;
+        }
+        if let Ok(h) = self.hook.hooks.read() {
+            for f in h.iter() {
+                f(change, addr, bytes, stream);
+            }
+        }
+    }
 }
 
 /// How a caller gives a block back ([`CachingPool::allocate_inner`]).
@@ -419,6 +477,8 @@ impl Drop for CachingPool {
         for seg in self.segment_index.values() {
             let s = &self.segments[*seg as usize];
             let Some(pages) = &s.pages else {
+                self.shared
+                    .tell(SegmentChange::Free, s.addr, s.size, s.stream);
                 let _ = self.backend.deallocate(s.addr, s.size as usize, s.stream);
                 self.shared.reserved.fetch_sub(s.size, Ordering::Relaxed);
                 continue;
@@ -429,6 +489,8 @@ impl Drop for CachingPool {
                 synced = true;
             }
             for (f, n) in pages.runs(0, s.size / page, true) {
+                self.shared
+                    .tell(SegmentChange::Unmap, s.addr + f * page, n * page, s.stream);
                 if self
                     .vmm()
                     .and_then(|v| v.unmap(s.addr + f * page, n * page))

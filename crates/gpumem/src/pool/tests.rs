@@ -930,3 +930,101 @@ fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
     assert_eq!(vmm_calls(&dev) - before.0, 0, "{s:?}");
     p.check_invariants().unwrap();
 }
+
+// ------------------------------------------------------------------ segment hooks
+
+/// Pages (addresses of `PAGE`-sized pieces) the hook was told are there: whatever the pool
+/// does, it tells of memory before a block in it is handed out, and before it is unmapped or
+/// freed, each range once.
+#[derive(Default)]
+struct Told {
+    pages: std::collections::HashSet<u64>,
+    changes: usize,
+}
+
+fn told_pool(conf: &str, capacity: u64) -> (CachingPool, Arc<std::sync::Mutex<Told>>) {
+    let dev = Arc::new(SimulatedDevice::new(capacity));
+    let cfg = Config::parse(conf).unwrap();
+    let shared = Arc::new(SharedCounters::default());
+    let told = Arc::new(std::sync::Mutex::new(Told::default()));
+    let t = told.clone();
+    let d = dev.clone();
+    shared.add_segment_hook(Arc::new(move |change, addr, bytes, _stream| {
+        let mut t = t.lock().unwrap();
+        t.changes += 1;
+        assert_eq!(addr % PAGE, 0, "{change:?} at {addr:#x}");
+        for page in (addr..addr + bytes).step_by(PAGE as usize) {
+            match change {
+                SegmentChange::Alloc | SegmentChange::Map => {
+                    assert!(t.pages.insert(page), "{change:?} of {page:#x} told twice")
+                }
+                SegmentChange::Free | SegmentChange::Unmap => {
+                    assert!(t.pages.remove(&page), "{change:?} of {page:#x} never told");
+                    if change == SegmentChange::Unmap {
+                        // told before the driver is asked
+                        assert!(d.unit_at(page).is_some(), "{page:#x} unmapped before told");
+                    }
+                }
+            }
+        }
+    }));
+    let pool = CachingPool::new(dev, &cfg, shared);
+    (pool, told)
+}
+
+#[test]
+fn hooks_hear_of_memory_before_it_is_used_and_before_it_goes() {
+    for conf in ["expandable_segments:True", "expandable_segments:False"] {
+        let (mut p, told) = told_pool(conf, 1 << 30);
+        let mut live: Vec<u64> = Vec::new();
+        let mut x = 12345u64;
+        for i in 0..4000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let r = x >> 33;
+            if live.len() > 40 || (r % 3 == 0 && !live.is_empty()) {
+                let k = (r as usize / 3) % live.len();
+                p.free(live.swap_remove(k)).unwrap();
+            } else {
+                let size = 512 + (r % (48 * MIB));
+                let stream = if r % 5 == 0 { B } else { A };
+                if let Ok(a) = p.allocate(stream, size as usize, 256) {
+                    let t = told.lock().unwrap();
+                    let first = a.addr / PAGE * PAGE;
+                    for page in (first..a.addr + size).step_by(PAGE as usize) {
+                        assert!(
+                            t.pages.contains(&page),
+                            "{conf}: block at {:#x} in an untold page",
+                            a.addr
+                        );
+                    }
+                    drop(t);
+                    live.push(a.addr);
+                }
+            }
+            if i % 997 == 0 {
+                p.release_cached();
+            }
+        }
+        for a in live {
+            p.free(a).unwrap();
+        }
+        p.release_cached();
+        p.check_invariants().unwrap();
+        // (the run maps, moves and unmaps pages, and meets out-of-memory)
+        let st = p.stats();
+        assert!(
+            st.num_device_free > 100 && st.num_ooms > 0,
+            "{conf}: {st:?}"
+        );
+        drop(p); // what is still there goes, and is told
+        let t = told.lock().unwrap();
+        assert!(t.changes > 200, "{conf}: {} changes", t.changes);
+        assert!(
+            t.pages.is_empty(),
+            "{conf}: {} pages never told gone",
+            t.pages.len()
+        );
+    }
+}
