@@ -600,6 +600,9 @@ mod tests {
             let layout = std::alloc::Layout::from_size_align(bytes, 4096).ok()?;
             // SAFETY: bytes > 0 (the resource refuses 0); freed in `free` with this layout.
             let p = unsafe { std::alloc::alloc(layout) } as DevPtr;
+            if p == 0 {
+                return None;
+            }
             self.out.lock().unwrap().push((p, bytes));
             self.allocs.fetch_add(1, Ordering::Relaxed);
             Some(p)

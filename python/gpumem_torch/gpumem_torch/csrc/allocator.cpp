@@ -618,6 +618,9 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     } catch (const std::exception& e) {
       warn_quietly(std::string("gpumem: the MemPool's allocator failed: ") + e.what());
       return nullptr;
+    } catch (...) {
+      warn_quietly("gpumem: the MemPool's allocator failed");
+      return nullptr;
     }
   }
   static void external_free(void* ctx, void* p, size_t, void*) noexcept {
@@ -627,6 +630,8 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     } catch (const std::exception& e) {
       warn_quietly(std::string("gpumem: the MemPool's allocator could not free its memory: ") +
                    e.what());
+    } catch (...) {
+      warn_quietly("gpumem: the MemPool's allocator could not free its memory");
     }
   }
   // a warning that cannot throw (Python may turn warnings into errors)
