@@ -605,55 +605,52 @@ impl CachingPool {
         stream: Stream,
         busy: bool,
     ) -> u64 {
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let base = self.segments[seg as usize].addr;
-        let mut got = 0;
-        let seg_stream = self.segments[seg as usize].stream;
-        for (first, n) in runs {
-            let (a, bytes) = (base + first * page, n * page);
-            self.shared.tell(SegmentChange::Unmap, a, bytes, seg_stream);
-            match self
-                .vmm()
-                .and_then(|v| v.unmap_after(a, bytes, stream, busy))
-            {
-                Ok(()) => {
-                    self.note_mapped(seg, first, n, false);
-                    if busy {
-                        self.stats.num_ordered_unmaps += 1;
-                    }
-                    got += n * page;
-                }
-                Err(e) => {
-                    // still mapped: told so again
-                    self.shared.tell(SegmentChange::Map, a, bytes, seg_stream);
-                    tracing::warn!("gpumem: unmapping pages in stream order failed: {e}")
-                }
-            }
+        let (got, done) = self.unmap_each(seg, runs, "in stream order ", |v, a, bytes| {
+            v.unmap_after(a, bytes, stream, busy)
+        });
+        if busy {
+            self.stats.num_ordered_unmaps += done;
         }
         got
     }
 
     /// Unmap `runs` of `seg`; returns the bytes unmapped.
     pub(super) fn unmap_runs(&mut self, seg: u32, runs: Vec<(u64, u64)>) -> u64 {
+        self.unmap_each(seg, runs, "", |v, a, bytes| v.unmap(a, bytes))
+            .0
+    }
+
+    /// Unmap each of `runs` of `seg` with `unmap`, the hooks told first (and told again that
+    /// a run is mapped where its unmap fails); returns the bytes and the runs unmapped.
+    fn unmap_each(
+        &mut self,
+        seg: u32,
+        runs: Vec<(u64, u64)>,
+        how: &str,
+        unmap: impl Fn(&dyn VirtualMemory, DevPtr, u64) -> Result<()>,
+    ) -> (u64, u64) {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let base = self.segments[seg as usize].addr;
-        let mut got = 0;
-        let seg_stream = self.segments[seg as usize].stream;
+        let (base, seg_stream) = {
+            let s = &self.segments[seg as usize];
+            (s.addr, s.stream)
+        };
+        let (mut got, mut done) = (0, 0);
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
             self.shared.tell(SegmentChange::Unmap, a, bytes, seg_stream);
-            match self.vmm().and_then(|v| v.unmap(a, bytes)) {
+            match self.vmm().and_then(|v| unmap(v, a, bytes)) {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
-                    got += n * page;
+                    got += bytes;
+                    done += 1;
                 }
                 Err(e) => {
                     self.shared.tell(SegmentChange::Map, a, bytes, seg_stream);
-                    tracing::warn!("gpumem: unmapping pages failed: {e}")
+                    tracing::warn!("gpumem: unmapping pages {how}failed: {e}")
                 }
             }
         }
-        got
+        (got, done)
     }
 
     pub(super) fn largest_mapped_free(&self) -> u64 {
