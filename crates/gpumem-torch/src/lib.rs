@@ -20,6 +20,7 @@ use std::sync::{Mutex, OnceLock};
 
 mod ipc;
 mod pools;
+mod trackers;
 pub use ipc::*;
 pub use pools::*;
 
@@ -111,6 +112,7 @@ pub fn allocator(device: c_int) -> Option<&'static CachingAllocator> {
     match set.device(ordinal) {
         Ok(d) => {
             let a = d.allocator();
+            trackers::ensure(ordinal, a);
             // a device first used while torch records history records too (checked by a bit
             // per device, not by locking a shard on every call)
             if HISTORY.on.load(Ordering::Relaxed) {
@@ -812,6 +814,12 @@ pub fn stats_json(device: c_int) -> String {
         ("gpumem.bad_devices", &r.bad_devices),
         ("gpumem.failed_allocs", &r.failed_allocs),
         ("gpumem.zero_sizes", &r.zero_sizes),
+        ("gpumem.tracker_violations", &trackers::TRACKERS.violations),
+        ("gpumem.tracker_registers", &trackers::TRACKERS.registers),
+        (
+            "gpumem.tracker_deregisters",
+            &trackers::TRACKERS.deregisters,
+        ),
     ] {
         map.insert(k.into(), v.load(Ordering::Relaxed).into());
     }

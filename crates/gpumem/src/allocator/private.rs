@@ -69,9 +69,11 @@ impl Inner {
                 }
             }
         };
+        let mut pool = CachingPool::new(backend, &config, self.shared.clone());
+        pool.set_tag((id.0, id.1));
         Private {
             id,
-            pool: CachingPool::new(backend, &config, self.shared.clone()),
+            pool,
             uses: 0,
             capturing: 0,
         }

@@ -329,7 +329,7 @@ impl CachingPool {
             self.stats.segment.dec(kind, 1);
             return;
         }
-        self.shared.tell(SegmentChange::Free, addr, size, stream);
+        self.tell_classic(SegmentChange::Free, addr, size, stream);
         if let Err(e) = self.backend.deallocate(addr, size as usize, stream) {
             tracing::warn!("gpumem: returning segment {addr:#x} ({size} B) failed: {e}");
         }

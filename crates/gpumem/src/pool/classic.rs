@@ -104,8 +104,7 @@ impl CachingPool {
         self.stats.reserved_bytes.inc(kind, seg_size);
         self.stats.num_device_alloc += 1;
         self.record(Action::SegmentAlloc, addr, seg_size, stream);
-        self.shared
-            .tell(SegmentChange::Alloc, addr, seg_size, stream);
+        self.tell_classic(SegmentChange::Alloc, addr, seg_size, stream);
         let now = self.shared.reserved.fetch_add(seg_size, Ordering::Relaxed) + seg_size;
         self.shared.peak_reserved.fetch_max(now, Ordering::Relaxed);
         Ok(id)

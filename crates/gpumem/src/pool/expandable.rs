@@ -329,7 +329,7 @@ impl CachingPool {
             stream,
         );
         if on {
-            self.shared.tell(SegmentChange::Map, addr, bytes, stream);
+            self.tell_pages(SegmentChange::Map, seg, first, n);
             self.stats.reserved_bytes.inc(kind, bytes);
             self.high_water = self.high_water.max(self.stats.reserved());
             self.stats.num_device_alloc += 1;
@@ -630,14 +630,11 @@ impl CachingPool {
         unmap: impl Fn(&dyn VirtualMemory, DevPtr, u64) -> Result<()>,
     ) -> (u64, u64) {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let (base, seg_stream) = {
-            let s = &self.segments[seg as usize];
-            (s.addr, s.stream)
-        };
+        let base = self.segments[seg as usize].addr;
         let (mut got, mut done) = (0, 0);
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
-            self.shared.tell(SegmentChange::Unmap, a, bytes, seg_stream);
+            self.tell_pages(SegmentChange::Unmap, seg, first, n);
             match self.vmm().and_then(|v| unmap(v, a, bytes)) {
                 Ok(()) => {
                     self.note_mapped(seg, first, n, false);
@@ -645,7 +642,7 @@ impl CachingPool {
                     done += 1;
                 }
                 Err(e) => {
-                    self.shared.tell(SegmentChange::Map, a, bytes, seg_stream);
+                    self.tell_pages(SegmentChange::Map, seg, first, n);
                     tracing::warn!("gpumem: unmapping pages {how}failed: {e}")
                 }
             }
@@ -741,6 +738,28 @@ impl Pages {
         } else {
             self.mapped -= n;
         }
+    }
+
+    /// The maximal run `[start, end)` of mapped pages around the mapped pages
+    /// `[first, first + n)`.
+    pub(super) fn run_around(&self, first: u64, n: u64) -> (u64, u64) {
+        let end = self.next_with(first + n, self.bits.len() as u64 * 64, false);
+        let mut p = first;
+        while p > 0 {
+            let w = ((p - 1) / 64) as usize;
+            let top = (p - 1) % 64;
+            let below = if top == 63 {
+                u64::MAX
+            } else {
+                (1u64 << (top + 1)) - 1
+            };
+            let unset = !self.bits[w] & below;
+            if unset != 0 {
+                return (w as u64 * 64 + u64::from(64 - unset.leading_zeros()), end);
+            }
+            p = w as u64 * 64;
+        }
+        (0, end)
     }
 
     pub(super) fn freed_at(&self, p: u64) -> u64 {

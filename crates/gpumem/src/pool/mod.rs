@@ -170,12 +170,31 @@ pub enum SegmentChange {
     Unmap,
 }
 
+/// One change a [`SegmentHook`] hears of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentEvent {
+    /// what happens
+    pub change: SegmentChange,
+    /// the range that comes or goes: its address...
+    pub addr: DevPtr,
+    /// ...and its bytes
+    pub bytes: u64,
+    /// the segment's stream
+    pub stream: Stream,
+    /// the range as a registering user sees it: the classic segment itself, or the maximal
+    /// run of mapped pages that holds the range (after a map; before an unmap)
+    pub run: (DevPtr, u64),
+    /// the private pool the segment belongs to (PyTorch's `MempoolId_t`; (0, 0): the
+    /// shared pool)
+    pub pool: (u64, u64),
+}
+
 /// Told of every range of memory that comes to the pools or leaves them, in order: a range is
 /// told as mapped before any block in it is handed out, and as unmapped or freed before the
 /// driver is asked to unmap or free it. Called on the allocating thread with the pool's lock
 /// held: it must not call the allocator. (PyTorch's allocator trace trackers, through which
-/// NCCL registers memory, hang here.)
-pub type SegmentHook = Arc<dyn Fn(SegmentChange, DevPtr, u64, Stream) + Send + Sync>;
+/// NCCL registers memory, hang here: see the adaptor layer's `registration`.)
+pub type SegmentHook = Arc<dyn Fn(&SegmentEvent) + Send + Sync>;
 
 #[derive(Default)]
 struct SegmentHooks {
@@ -198,15 +217,20 @@ impl SharedCounters {
         }
     }
 
-    /// Tell the hooks of `change` (nothing to do, and one load, where there are none).
+    /// Whether any hook listens (the callers compute a run only then).
     #[inline]
-    pub(crate) fn tell(&self, change: SegmentChange, addr: DevPtr, bytes: u64, stream: Stream) {
-        if !self.hook.any.load(Ordering::Acquire) {
+    pub(crate) fn heard(&self) -> bool {
+        self.hook.any.load(Ordering::Acquire)
+    }
+
+    /// Tell the hooks of `event`.
+    pub(crate) fn tell(&self, event: &SegmentEvent) {
+        if !self.heard() {
             return;
         }
         if let Ok(h) = self.hook.hooks.read() {
             for f in h.iter() {
-                f(change, addr, bytes, stream);
+                f(event);
             }
         }
     }
@@ -292,6 +316,8 @@ struct Policy {
 /// shard behind its own lock.
 pub struct CachingPool {
     backend: Arc<dyn Backend>,
+    /// the private pool's id, for the segment hooks ((0, 0): the shared pool)
+    tag: (u64, u64),
     policy: Policy,
     shared: Arc<SharedCounters>,
     /// bytes the pool may hold (budget or device total), for garbage collection
@@ -369,6 +395,7 @@ impl CachingPool {
             .filter(|&p| config.pool.expandable_segments && p > 0 && p % MIN_BLOCK == 0);
         Self {
             backend,
+            tag: (0, 0),
             policy: Policy {
                 max_split: config.pool.max_split_size.unwrap_or(u64::MAX),
                 divisions: config.pool.roundup_power2_divisions.clone(),
@@ -451,6 +478,53 @@ impl CachingPool {
         self.stats.reset_peak();
     }
 
+    /// Tell the hooks of a classic segment's `change`.
+    pub(super) fn tell_classic(
+        &self,
+        change: SegmentChange,
+        addr: DevPtr,
+        size: u64,
+        stream: Stream,
+    ) {
+        if self.shared.heard() {
+            self.shared.tell(&SegmentEvent {
+                change,
+                addr,
+                bytes: size,
+                stream,
+                run: (addr, size),
+                pool: self.tag,
+            });
+        }
+    }
+
+    /// Tell the hooks of `change` to pages `[first, first + n)` of expandable segment `seg`
+    /// (mapped: after a map, before an unmap).
+    pub(super) fn tell_pages(&self, change: SegmentChange, seg: u32, first: u64, n: u64) {
+        if !self.shared.heard() {
+            return;
+        }
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let s = &self.segments[seg as usize];
+        let (f0, f1) = s
+            .pages
+            .as_ref()
+            .map_or((first, first + n), |p| p.run_around(first, n));
+        self.shared.tell(&SegmentEvent {
+            change,
+            addr: s.addr + first * page,
+            bytes: n * page,
+            stream: s.stream,
+            run: (s.addr + f0 * page, (f1 - f0) * page),
+            pool: self.tag,
+        });
+    }
+
+    /// Name the private pool this pool is (its segment events carry it).
+    pub fn set_tag(&mut self, tag: (u64, u64)) {
+        self.tag = tag;
+    }
+
     /// True if `addr` is a live block of this pool.
     pub fn owns(&self, addr: DevPtr) -> bool {
         self.find_allocated(addr).is_some()
@@ -477,8 +551,7 @@ impl Drop for CachingPool {
         for seg in self.segment_index.values() {
             let s = &self.segments[*seg as usize];
             let Some(pages) = &s.pages else {
-                self.shared
-                    .tell(SegmentChange::Free, s.addr, s.size, s.stream);
+                self.tell_classic(SegmentChange::Free, s.addr, s.size, s.stream);
                 let _ = self.backend.deallocate(s.addr, s.size as usize, s.stream);
                 self.shared.reserved.fetch_sub(s.size, Ordering::Relaxed);
                 continue;
@@ -489,8 +562,7 @@ impl Drop for CachingPool {
                 synced = true;
             }
             for (f, n) in pages.runs(0, s.size / page, true) {
-                self.shared
-                    .tell(SegmentChange::Unmap, s.addr + f * page, n * page, s.stream);
+                self.tell_pages(SegmentChange::Unmap, *seg, f, n);
                 if self
                     .vmm()
                     .and_then(|v| v.unmap(s.addr + f * page, n * page))

@@ -949,9 +949,15 @@ fn told_pool(conf: &str, capacity: u64) -> (CachingPool, Arc<std::sync::Mutex<To
     let told = Arc::new(std::sync::Mutex::new(Told::default()));
     let t = told.clone();
     let d = dev.clone();
-    shared.add_segment_hook(Arc::new(move |change, addr, bytes, _stream| {
+    shared.add_segment_hook(Arc::new(move |e: &SegmentEvent| {
+        let (change, addr, bytes) = (e.change, e.addr, e.bytes);
         let mut t = t.lock().unwrap();
         t.changes += 1;
+        // the run holds the range
+        assert!(
+            e.run.0 <= addr && addr + bytes <= e.run.0 + e.run.1,
+            "{e:?}"
+        );
         assert_eq!(addr % PAGE, 0, "{change:?} at {addr:#x}");
         for page in (addr..addr + bytes).step_by(PAGE as usize) {
             match change {

@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -77,6 +78,9 @@ int gpumem_ipc_open(int device, const uint8_t* handle, size_t len, uint64_t* out
 int gpumem_ipc_close(uint64_t ptr);
 size_t gpumem_ipc_last_error(char* buf, size_t cap);
 uint64_t gpumem_base_allocation(uint64_t ptr, uint64_t* size);
+int gpumem_set_segment_listener(void (*f)(void*, int, int, uint64_t, uint64_t, uint64_t, uint64_t,
+                                          uint64_t),
+                                void* ctx);
 int gpumem_pool_restore(int device, uint64_t a, uint64_t b, const void* ckpt, uint64_t* freed,
                         size_t freed_cap, uint64_t* allocd, size_t allocd_cap, size_t* counts);
 }
@@ -745,14 +749,54 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
     std::lock_guard<std::mutex> l(mu_);
     observers_.push_back(std::move(observer));
   }
-  // PyTorch attaches trace trackers to register allocator segments with NCCL
-  // (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK); gpumem does not report its segments to
-  // trackers yet, and a tracker that is never called would register nothing silently
-  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker /*tracker*/) override {
-    TORCH_CHECK(false,
-                "gpumem: allocator trace trackers (NCCL buffer registration through "
-                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) are not supported: gpumem does "
-                "not report its segments to trackers yet; unset that variable");
+  // PyTorch's allocator trace trackers, through which ProcessGroupNCCL registers memory with
+  // NCCL (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1): each range a registering user may
+  // hold (a classic segment, or a maximal run of mapped pages, as the snapshot lists them) is
+  // told as SEGMENT_ALLOC once it exists and as SEGMENT_FREE before any of its memory is
+  // unmapped or freed (see trackers.rs: PyTorch's NCCL hooks act on those two actions only)
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
+    {
+      std::lock_guard<std::mutex> l(trackers_mu());
+      trackers().push_back(std::move(tracker));
+    }
+    static std::once_flag once;
+    std::call_once(once, [] { gpumem_set_segment_listener(&GpumemAllocator::on_segment, nullptr); });
+  }
+  static std::mutex& trackers_mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::vector<CCA::AllocatorTraceTracker>& trackers() {
+    static std::vector<CCA::AllocatorTraceTracker> t;
+    return t;
+  }
+  // called by gpumem on the allocating thread, a pool's lock held: never throws
+  static void on_segment(void*, int dev, int reg, uint64_t addr, uint64_t bytes, uint64_t stream,
+                         uint64_t pool_a, uint64_t pool_b) {
+    using Entry = c10::CachingDeviceAllocator::TraceEntry;
+    try {
+      Entry te(reg ? Entry::SEGMENT_ALLOC : Entry::SEGMENT_FREE, static_cast<c10::DeviceIndex>(dev),
+               static_cast<size_t>(addr), static_cast<size_t>(bytes),
+               reinterpret_cast<cudaStream_t>(stream),
+               c10::MempoolId_t{static_cast<decltype(c10::MempoolId_t{}.first)>(pool_a),
+                                static_cast<decltype(c10::MempoolId_t{}.second)>(pool_b)},
+               c10::getApproximateTime());
+      std::vector<CCA::AllocatorTraceTracker> ts;
+      {
+        std::lock_guard<std::mutex> l(trackers_mu());
+        ts = trackers();
+      }
+      for (auto& t : ts) {
+        try {
+          t(te);
+        } catch (const std::exception& e) {
+          TORCH_WARN("gpumem: an allocator trace tracker failed: ", e.what());
+        } catch (...) {
+          TORCH_WARN("gpumem: an allocator trace tracker failed");
+        }
+      }
+    } catch (...) {
+    }
   }
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
     c10::cuda::CUDAGuard g(dev);
