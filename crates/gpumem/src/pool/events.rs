@@ -238,9 +238,9 @@ impl CachingPool {
     /// queued there) and wait for them as any other.
     pub fn end_capture(&mut self) {
         let mut keep = Vec::new();
-        for (id, uses) in std::mem::take(&mut self.deferred) {
+        for (id, uses, nodes) in std::mem::take(&mut self.deferred) {
             if uses.iter().any(|&s| self.capturing(s)) {
-                keep.push((id, uses)); // another capture still runs on one of them
+                keep.push((id, uses, nodes)); // another capture still runs on one of them
                 continue;
             }
             let events = self.record_uses(uses);
@@ -256,10 +256,43 @@ impl CachingPool {
         let uses = b.uses.take().map(|u| *u).unwrap_or_default();
         b.state = State::Pending;
         if uses.iter().any(|&s| self.capturing(s)) {
-            self.deferred.push((id, uses));
+            // where the block's own stream and every user capture, the nodes the users have
+            // reached: once the block's stream depends on them all, the block is free again
+            // (PyTorch's graph_capture_record_stream_reuse, always on)
+            let own = self.blocks[id as usize].stream;
+            let nodes = if self.capturing(own) && uses.iter().all(|&s| self.capturing(s)) {
+                uses.iter()
+                    .map(|&s| self.backend.capture_frontier(s))
+                    .collect::<Option<Vec<Vec<u64>>>>()
+                    .map(|v| v.concat())
+            } else {
+                None
+            };
+            self.deferred.push((id, uses, nodes));
         } else {
             let events = self.record_uses(uses);
             self.pending.push((id, events));
+        }
+    }
+
+    /// During a capture, blocks of `stream` freed while other capturing streams used them are
+    /// free again once `stream`'s work depends on what those streams had queued at the free
+    /// (a reverse walk of the capture's graph, done only while such blocks wait).
+    pub(super) fn reclaim_captured(&mut self, stream: Stream) {
+        let mut i = 0;
+        while i < self.deferred.len() {
+            let (id, _, nodes) = &self.deferred[i];
+            let ready = self.blocks[*id as usize].stream == stream
+                && nodes
+                    .as_ref()
+                    .is_some_and(|n| self.backend.capture_follows(stream, n));
+            if ready {
+                let (id, _, _) = self.deferred.swap_remove(i);
+                self.stats.num_capture_reclaims += 1;
+                self.finish_pending(id, Vec::new());
+            } else {
+                i += 1;
+            }
         }
     }
 

@@ -64,7 +64,9 @@ impl CachingPool {
                     blocks.push(BlockInfo {
                         addr: b.addr,
                         size: b.size,
-                        requested: if allocated { b.requested } else { 0 },
+                        // a free block keeps the size last requested at its address (as
+                        // PyTorch's snapshots report it)
+                        requested: b.requested.min(b.size),
                         active: allocated || b.state == State::Pending,
                         allocated,
                     });

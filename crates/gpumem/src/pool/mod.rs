@@ -268,7 +268,8 @@ pub struct BlockInfo {
     pub addr: u64,
     /// size in bytes
     pub size: u64,
-    /// bytes requested (0 when free)
+    /// bytes requested (a free block: those last requested at its address, 0 if none, as
+    /// PyTorch's snapshots report them)
     pub requested: u64,
     /// handed out or waiting on events
     pub active: bool,
@@ -336,8 +337,10 @@ pub struct CachingPool {
     quick_probe: u32,
     pending: Vec<(u32, Vec<Event>)>,
     /// freed blocks used by a stream that was capturing a CUDA graph when they were freed:
-    /// their events are recorded once the capture ends ([`CachingPool::end_capture`])
-    deferred: Vec<(u32, Vec<Stream>)>,
+    /// their events are recorded once the capture ends ([`CachingPool::end_capture`]), unless
+    /// the block's own stream joins the work of those streams (the graph nodes they had
+    /// reached at the free) before: then the block is free again within the capture
+    deferred: Vec<(u32, Vec<Stream>, Option<Vec<u64>>)>,
     streams: Vec<Stream>,
     stats: HotStats,
     tick: u64,

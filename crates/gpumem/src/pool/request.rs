@@ -40,6 +40,9 @@ impl CachingPool {
         if !self.pending.is_empty() {
             self.process_events();
         }
+        if !self.deferred.is_empty() && self.shared.captures.load(Ordering::Relaxed) > 0 {
+            self.reclaim_captured(stream);
+        }
         if size > SMALL_SIZE && self.plans.busy() {
             if let Some(id) = self.plan_alloc(stream, size) {
                 self.stats.cache_hits += 1;

@@ -106,6 +106,9 @@ pub struct Stats {
     pub num_cross_stream_reuses: u64,
     /// blocks freed with other streams recorded, whose reuse waited on events
     pub num_deferred_frees: u64,
+    /// of those, blocks freed during a CUDA-graph capture and reused within it once their
+    /// stream's work depended on their users' (PyTorch's graph_capture_record_stream_reuse)
+    pub num_capture_reclaims: u64,
     /// bytes mapped into expandable segments (cumulative)
     pub mapped_bytes: u64,
     /// bytes unmapped from expandable segments (cumulative)
@@ -271,6 +274,7 @@ impl Stats {
         self.cache_misses += o.cache_misses;
         self.num_cross_stream_reuses += o.num_cross_stream_reuses;
         self.num_deferred_frees += o.num_deferred_frees;
+        self.num_capture_reclaims += o.num_capture_reclaims;
         self.mapped_bytes += o.mapped_bytes;
         self.unmapped_bytes += o.unmapped_bytes;
         self.num_unmap_syncs += o.num_unmap_syncs;
@@ -419,6 +423,7 @@ pub(crate) struct HotStats {
     pub(crate) cache_misses: u64,
     pub(crate) num_cross_stream_reuses: u64,
     pub(crate) num_deferred_frees: u64,
+    pub(crate) num_capture_reclaims: u64,
     pub(crate) mapped_bytes: u64,
     pub(crate) unmapped_bytes: u64,
     pub(crate) num_unmap_syncs: u64,
@@ -592,6 +597,7 @@ impl HotStats {
             cache_misses: self.cache_misses,
             num_cross_stream_reuses: self.num_cross_stream_reuses,
             num_deferred_frees: self.num_deferred_frees,
+            num_capture_reclaims: self.num_capture_reclaims,
             mapped_bytes: self.mapped_bytes,
             unmapped_bytes: self.unmapped_bytes,
             num_unmap_syncs: self.num_unmap_syncs,

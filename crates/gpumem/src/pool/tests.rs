@@ -1034,3 +1034,71 @@ fn hooks_hear_of_memory_before_it_is_used_and_before_it_goes() {
         );
     }
 }
+
+/// PyTorch's snapshot of a segment whose blocks were all freed shows the free block with the
+/// size last requested at its address (its `_memory_viz` tests look for it); gpumem's too.
+#[test]
+fn a_free_block_keeps_the_size_last_requested_at_its_address() {
+    for (mut p, _dev) in [pool(), vmm_pool(1 << 40)] {
+        let xs: Vec<_> = (0..4)
+            .map(|_| p.allocate(A, 65536, 256).unwrap().addr)
+            .collect();
+        for x in xs {
+            p.free(x).unwrap();
+        }
+        p.flush_quick();
+        let segs = p.segments();
+        let first = &segs[0].blocks[0];
+        assert!(!first.allocated, "{first:?}");
+        assert_eq!(first.requested, 65536, "{segs:?}");
+    }
+}
+
+/// PyTorch's graph_capture_record_stream_reuse (its test_graph_capture_reclaim_2_streams and
+/// _4_streams): a block freed during a capture while other capturing streams used it is not
+/// reused on its own stream until that stream's work depends on theirs; then it is, within
+/// the same capture.
+#[test]
+fn a_block_freed_in_a_capture_comes_back_once_its_stream_joins_its_users() {
+    const C: Stream = Stream(3);
+    for conf in ["", "expandable_segments:True"] {
+        let (mut p, dev) = pool_with(1 << 40, conf);
+        let (s1, s2, s3) = (A, B, C);
+        dev.begin_capture(s1);
+        p.shared.captures.fetch_add(1, Ordering::Relaxed);
+        let _sink = alloc(&mut p, s1, 32);
+        let data1 = alloc(&mut p, s1, 32);
+        dev.capture_launch(s1);
+        // s2 and s3 read data1 (record_stream), then it is freed
+        for s in [s2, s3] {
+            dev.capture_join(s, s1);
+            let _buf = alloc(&mut p, s, 32);
+            dev.capture_launch(s);
+            p.record_stream(data1, s).unwrap();
+        }
+        free(&mut p, data1);
+        let data2 = alloc(&mut p, s1, 32);
+        assert_ne!(
+            data2, data1,
+            "{conf}: reused before s1 waited for its users"
+        );
+        // s1 waits for s2 only: not yet
+        dev.capture_join(s1, s2);
+        dev.capture_launch(s1);
+        let data3 = alloc(&mut p, s1, 32);
+        assert_ne!(data3, data1, "{conf}: reused while s3 may still read it");
+        // and for s3: now
+        dev.capture_join(s1, s3);
+        dev.capture_launch(s1);
+        let data4 = alloc(&mut p, s1, 32);
+        assert_eq!(
+            data4, data1,
+            "{conf}: not reused after s1 joined both users"
+        );
+        assert_eq!(p.stats().num_capture_reclaims, 1);
+        dev.end_capture();
+        p.shared.captures.fetch_sub(1, Ordering::Relaxed);
+        p.end_capture();
+        p.check_invariants().unwrap();
+    }
+}

@@ -53,6 +53,14 @@ macro_rules! forward_stream_ops {
                 let $s = self;
                 $inner.is_capturing(stream)
             }
+            fn capture_frontier(&self, stream: $crate::resource::Stream) -> Option<Vec<u64>> {
+                let $s = self;
+                $inner.capture_frontier(stream)
+            }
+            fn capture_follows(&self, stream: $crate::resource::Stream, nodes: &[u64]) -> bool {
+                let $s = self;
+                $inner.capture_follows(stream, nodes)
+            }
             unsafe fn copy(
                 &self,
                 dst: $crate::resource::DevPtr,

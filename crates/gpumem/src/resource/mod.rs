@@ -387,6 +387,18 @@ pub trait StreamOps: Send + Sync {
     fn is_capturing(&self, _stream: Stream) -> bool {
         false
     }
+    /// While `stream` captures a CUDA graph: the graph nodes its next operation will depend on
+    /// (its capture frontier), as opaque numbers; `None` where it does not capture or the
+    /// backend cannot say.
+    fn capture_frontier(&self, _stream: Stream) -> Option<Vec<u64>> {
+        None
+    }
+    /// While `stream` captures: whether its capture frontier depends on every one of `nodes`
+    /// (a [`StreamOps::capture_frontier`] of a stream in the same capture), so that work
+    /// queued on `stream` from now on runs after them. False where the backend cannot say.
+    fn capture_follows(&self, _stream: Stream, _nodes: &[u64]) -> bool {
+        false
+    }
     /// Block the host until all work on the device has completed (needs no stream, so it is
     /// safe where a stream may have been destroyed since).
     fn synchronize_device(&self) -> Result<()>;

@@ -126,6 +126,10 @@ struct SimState {
     stale: Vec<Evict>,
     /// the host's time outside the allocator's driver calls, ns ([`SimulatedDevice::set_time_us`])
     time_ns: u64,
+    /// CUDA-graph captures: each capturing stream's frontier (the nodes its next operation
+    /// depends on), and each node's dependencies (node `n` at index `n - 1`)
+    capture_frontiers: FxHashMap<u64, Vec<u64>>,
+    capture_nodes: Vec<Vec<u64>>,
 }
 
 /// Counters of what the simulated device was asked to do.
@@ -203,6 +207,48 @@ impl SimulatedDevice {
     /// (or a host synchronisation on them), as if kernels were still running.
     pub fn set_auto_complete(&self, on: bool) {
         self.state.lock().auto_complete = on;
+    }
+
+    /// Start capturing a CUDA graph on `stream` (the graph has no node yet).
+    pub fn begin_capture(&self, stream: Stream) {
+        self.state
+            .lock()
+            .capture_frontiers
+            .insert(stream.0, Vec::new());
+    }
+
+    /// A kernel queued on capturing `stream`: a node after its frontier, which becomes the
+    /// frontier.
+    pub fn capture_launch(&self, stream: Stream) {
+        let mut s = self.state.lock();
+        let deps = s
+            .capture_frontiers
+            .get(&stream.0)
+            .cloned()
+            .unwrap_or_default();
+        s.capture_nodes.push(deps);
+        let node = s.capture_nodes.len() as u64;
+        s.capture_frontiers.insert(stream.0, vec![node]);
+    }
+
+    /// `waiter` waits for `on`'s work so far (an event recorded on `on`, waited for on
+    /// `waiter`): its frontier gains `on`'s, and it joins the capture if it was not in it.
+    pub fn capture_join(&self, waiter: Stream, on: Stream) {
+        let mut s = self.state.lock();
+        let theirs = s.capture_frontiers.get(&on.0).cloned().unwrap_or_default();
+        let mine = s.capture_frontiers.entry(waiter.0).or_default();
+        for n in theirs {
+            if !mine.contains(&n) {
+                mine.push(n);
+            }
+        }
+    }
+
+    /// The capture ends: no stream captures any more.
+    pub fn end_capture(&self) {
+        let mut s = self.state.lock();
+        s.capture_frontiers.clear();
+        s.capture_nodes.clear();
     }
 
     /// Complete every pending event: all queued work has finished.
@@ -684,6 +730,31 @@ impl StreamOps for SimulatedDevice {
         Ok(())
     }
     fn destroy_event(&self, _event: Event) {}
+    fn is_capturing(&self, stream: Stream) -> bool {
+        self.state.lock().capture_frontiers.contains_key(&stream.0)
+    }
+    fn capture_frontier(&self, stream: Stream) -> Option<Vec<u64>> {
+        self.state.lock().capture_frontiers.get(&stream.0).cloned()
+    }
+    fn capture_follows(&self, stream: Stream, nodes: &[u64]) -> bool {
+        let s = self.state.lock();
+        let Some(frontier) = s.capture_frontiers.get(&stream.0) else {
+            return false;
+        };
+        let mut want: Vec<u64> = nodes.to_vec();
+        let mut seen = std::collections::HashSet::new();
+        let mut stack = frontier.clone();
+        while let Some(n) = stack.pop() {
+            if !seen.insert(n) {
+                continue;
+            }
+            want.retain(|&w| w != n);
+            if let Some(deps) = s.capture_nodes.get(n as usize - 1) {
+                stack.extend(deps);
+            }
+        }
+        want.is_empty()
+    }
     fn create_stream(&self) -> Result<Stream> {
         Ok(Stream(next_stream_id()))
     }

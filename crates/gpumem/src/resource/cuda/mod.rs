@@ -216,6 +216,90 @@ impl CudaOps {
             && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
     }
 
+    fn capture_frontier(&self, stream: Stream) -> Option<Vec<u64>> {
+        self.bind().ok()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let (mut id, mut graph) = (0u64, std::ptr::null_mut());
+        let (mut deps, mut edges, mut n) = (std::ptr::null(), std::ptr::null(), 0usize);
+        // SAFETY: the caller's live stream; every out-parameter is valid; the driver's
+        // dependency array stays valid until the next operation on the stream, and is copied
+        // out at once.
+        let r = unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                raw(stream),
+                &mut status,
+                &mut id,
+                &mut graph,
+                &mut deps,
+                &mut edges,
+                &mut n,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS
+            || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+        {
+            return None;
+        }
+        if n == 0 || deps.is_null() {
+            return Some(Vec::new());
+        }
+        // SAFETY: the driver returned `n` nodes at `deps`.
+        let nodes = unsafe { std::slice::from_raw_parts(deps, n) };
+        Some(nodes.iter().map(|&d| d as u64).collect())
+    }
+
+    fn capture_follows(&self, stream: Stream, nodes: &[u64]) -> bool {
+        let Some(frontier) = self.capture_frontier(stream) else {
+            return false;
+        };
+        let mut want: std::collections::HashSet<u64> = nodes.iter().copied().collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut stack = frontier;
+        // walk the graph back from the frontier until every wanted node is found
+        while let Some(node) = stack.pop() {
+            if want.is_empty() {
+                break;
+            }
+            if !seen.insert(node) {
+                continue;
+            }
+            want.remove(&node);
+            let h = node as sys::CUgraphNode;
+            let mut count = 0usize;
+            // SAFETY: `h` is a node of the capture's graph (from the driver); a null array
+            // asks for the count only.
+            let r = unsafe {
+                sys::cuGraphNodeGetDependencies_v2(
+                    h,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    &mut count,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return false;
+            }
+            if count == 0 {
+                continue;
+            }
+            let mut deps: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+            // SAFETY: `deps` holds `count` nodes; edge data is not asked for.
+            let r = unsafe {
+                sys::cuGraphNodeGetDependencies_v2(
+                    h,
+                    deps.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                    &mut count,
+                )
+            };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return false;
+            }
+            stack.extend(deps.iter().take(count).map(|&d| d as u64));
+        }
+        want.is_empty()
+    }
+
     fn synchronize_device(&self) -> Result<()> {
         self.bind()?;
         result::ctx::synchronize().map_err(|e| cuda_err("cuCtxSynchronize", e))
