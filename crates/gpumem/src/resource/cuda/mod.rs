@@ -254,14 +254,19 @@ impl CudaOps {
         };
         let mut want: std::collections::HashSet<u64> = nodes.iter().copied().collect();
         let mut seen = std::collections::HashSet::new();
-        let mut stack = frontier;
-        // walk the graph back from the frontier until every wanted node is found
-        while let Some(node) = stack.pop() {
+        let mut queue: std::collections::VecDeque<u64> = frontier.into();
+        // walk the graph back from the frontier, nearest nodes first, until every wanted node
+        // is found (a walk longer than MAX_CAPTURE_WALK says no: the block then waits for the
+        // capture's end)
+        while let Some(node) = queue.pop_front() {
             if want.is_empty() {
                 break;
             }
             if !seen.insert(node) {
                 continue;
+            }
+            if seen.len() > MAX_CAPTURE_WALK {
+                return false;
             }
             want.remove(&node);
             let h = node as sys::CUgraphNode;
@@ -295,7 +300,7 @@ impl CudaOps {
             if r != sys::CUresult::CUDA_SUCCESS {
                 return false;
             }
-            stack.extend(deps.iter().take(count).map(|&d| d as u64));
+            queue.extend(deps.iter().take(count).map(|&d| d as u64));
         }
         want.is_empty()
     }
@@ -338,6 +343,11 @@ impl CudaOps {
             .map_err(|e| cuda_err("cuMemsetD8Async", e))
     }
 }
+
+/// Graph nodes a capture walk visits at most ([`CudaOps::capture_follows`]): it runs on the
+/// allocating thread while a capture holds blocks freed with other streams' uses, with two
+/// driver calls a node.
+const MAX_CAPTURE_WALK: usize = 4096;
 
 macro_rules! cuda_stream_ops {
     ($ty:ty) => {
