@@ -155,17 +155,19 @@ fn replay_on_device(
 fn print(out: &ReplayOut) {
     println!("{} ({} events)", out.trace, out.events);
     println!(
-        "  (ratio: peak reserved / peak live; segs and largest free: at the reserved peak; \
+        "  (ratio: peak reserved / peak live; planned: bytes of the reserved peak in planned \
+         layouts, the rest the dynamic pool's; segs and largest free: at the reserved peak; \
          calls: driver allocations, frees, page maps and unmaps; syncs: host waits before \
          unmapping; driver ms: modelled driver time on the allocating thread, and its share \
          of the trace's own wall time)"
     );
     println!(
-        "  {:<28} {:<10} {:>10} {:>13} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5} {:>10} {:>7}",
+        "  {:<28} {:<10} {:>10} {:>13} {:>10} {:>6} {:>5} {:>12} {:>8} {:>6} {:>5} {:>10} {:>7}",
         "policy",
         "backend",
         "peak live",
         "peak reserved",
+        "planned",
         "ratio",
         "segs",
         "largest free",
@@ -179,21 +181,27 @@ fn print(out: &ReplayOut) {
         if p.backend == "trace" && p.device_calls == 0 {
             // a trace with no segment events (a synthetic one) says nothing of an allocator
             println!(
-                "  {:<28} {:<10} {:>10} {:>13} {:>6}  (the trace records no segments)",
+                "  {:<28} {:<10} {:>10} {:>13} {:>10} {:>6}  (the trace records no segments)",
                 p.name,
                 p.backend,
                 human(p.peak_live_bytes),
+                "n/a",
                 "n/a",
                 "n/a"
             );
             continue;
         }
         println!(
-            "  {:<28} {:<10} {:>10} {:>13} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5} {:>10.2} {:>7}",
+            "  {:<28} {:<10} {:>10} {:>13} {:>10} {:>6.3} {:>5} {:>12} {:>8.1} {:>6} {:>5} {:>10.2} {:>7}",
             p.name,
             p.backend,
             human(p.peak_live_bytes),
             human(p.peak_reserved_bytes),
+            if p.backend == "trace" {
+                "n/a".to_string()
+            } else {
+                human(p.planned_bytes_at_peak)
+            },
             p.ratio,
             p.segments_at_peak,
             human(p.largest_free_block_at_peak),

@@ -388,9 +388,14 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
         let mapped: u64 = s.mapped.iter().map(|m| m.1).sum();
         let label = if s.expandable {
             format!(
-                "{:?} pool, stream {}, expandable: {} mapped in {} piece{} over {} at {lo:#x}",
+                "{:?} pool, stream {}, {}: {} mapped in {} piece{} over {} at {lo:#x}",
                 s.kind,
                 s.stream.0,
+                if s.planned {
+                    "planned layout"
+                } else {
+                    "expandable"
+                },
                 human(mapped),
                 s.mapped.len(),
                 if s.mapped.len() == 1 { "" } else { "s" },
@@ -407,6 +412,14 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
         rows.push((label, lo, hi - lo, s));
     }
     let (mut used, mut rounding, mut free) = (0u64, 0u64, 0u64);
+    let (planned, dynamic): (u64, u64) = segments.iter().fold((0, 0), |(p, d), s| {
+        let m: u64 = s.mapped.iter().map(|m| m.1).sum();
+        if s.planned {
+            (p + m, d)
+        } else {
+            (p, d + m)
+        }
+    });
     for s in segments {
         for b in &s.blocks {
             let mapped: u64 = s
@@ -427,12 +440,15 @@ fn segment_map(policy: &str, segments: &[SegmentInfo]) -> String {
         out,
         r##"<h2>Segment map at the reserved peak ({}, {} segments)</h2>
 <div class="legend"><span><i class="sw" style="background:#2b6cb0"></i>requested bytes: {}</span><span><i class="sw" style="background:#90cdf4"></i>rounding inside blocks: {}</span><span><i class="sw" style="background:#f6ad55"></i>free but reserved (cached or fragmented): {}</span><span><i class="sw" style="background:#fff;border:1px solid #bbb"></i>not mapped (expandable segments)</span></div>
+<p>Reserved at the peak: {} in planned layouts' regions, {} in the dynamic pool.</p>
 "##,
         esc(policy),
         rows.len(),
         human(used),
         human(rounding),
-        human(free)
+        human(free),
+        human(planned),
+        human(dynamic)
     );
     if rows.is_empty() {
         out.push_str("<p>nothing reserved</p>");

@@ -87,6 +87,7 @@ impl CachingPool {
                     stream: s.stream,
                     kind: s.kind,
                     expandable: s.pages.is_some(),
+                    planned: s.planned,
                     mapped,
                     blocks,
                 }

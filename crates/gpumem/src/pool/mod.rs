@@ -290,6 +290,8 @@ pub struct SegmentInfo {
     pub kind: PoolKind,
     /// an expandable (virtual-memory) segment
     pub expandable: bool,
+    /// a planned layout's region (see `plan.rs`), not the dynamic pool's
+    pub planned: bool,
     /// `(address, bytes)` ranges backed by memory: all of a classic segment, the mapped pages of
     /// an expandable one
     pub mapped: Vec<(u64, u64)>,

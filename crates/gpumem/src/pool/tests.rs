@@ -884,6 +884,18 @@ fn a_repeating_job_gets_a_planned_layout_and_no_driver_call_a_step() {
     assert!(per_step[4..].iter().all(|&c| c == 0), "{per_step:?}");
     let ratio = s.reserved_bytes.all.peak as f64 / s.allocated_bytes.all.peak as f64;
     assert!(ratio <= 1.04, "{ratio}");
+    // the plan's region is reserved memory, counted apart, and listed as a planned segment
+    assert!(
+        s.plan_reserved_bytes > 0 && s.plan_reserved_bytes <= s.reserved_bytes.all.current,
+        "{s:?}"
+    );
+    let segs = p.segments();
+    let planned: u64 = segs
+        .iter()
+        .filter(|g| g.planned)
+        .flat_map(|g| g.mapped.iter().map(|m| m.1))
+        .sum();
+    assert_eq!(planned, s.plan_reserved_bytes);
     // an evaluation step of other sizes, then training again: the plan takes up where it was
     let x = alloc(&mut p, A, 40 * MIB);
     let y = alloc(&mut p, A, 7 * MIB);

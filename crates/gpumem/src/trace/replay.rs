@@ -24,6 +24,8 @@ pub struct PolicyReport {
     pub peak_live_bytes: u64,
     /// highest reserved bytes
     pub peak_reserved_bytes: u64,
+    /// of those, the bytes in planned layouts' regions (the rest: the dynamic pool)
+    pub planned_bytes_at_peak: u64,
     /// peak reserved / peak live
     pub ratio: f64,
     /// segments held at the reserved peak
@@ -119,6 +121,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         backend: "trace".into(),
         peak_live_bytes: peak_live,
         peak_reserved_bytes: peak_reserved,
+        planned_bytes_at_peak: 0,
         ratio: ratio(peak_reserved, peak_live),
         segments_at_peak: segs_at_peak,
         largest_free_block_at_peak: 0,
@@ -271,7 +274,7 @@ fn replay_passes(
     let replayed = run(events, config, backend()?, stream, usize::MAX, |_, _| {})?.0;
     let ns_per_event = start.elapsed().as_nanos() as f64 / replayed.max(1) as f64;
 
-    let mut peak = (0u64, 0u64, 0usize); // reserved, segments, event index
+    let mut peak = (0u64, 0u64, 0usize, 0u64); // reserved, segments, event index, planned
     let mut timeline = Vec::with_capacity(events.len());
     let mut calls = Vec::with_capacity(events.len());
     let mut live = 0u64;
@@ -295,7 +298,12 @@ fn replay_passes(
                 s.num_device_alloc + s.num_device_free
             });
             if s.reserved_bytes.all.current > peak.0 {
-                peak = (s.reserved_bytes.all.current, s.segment.all.current, i);
+                peak = (
+                    s.reserved_bytes.all.current,
+                    s.segment.all.current,
+                    i,
+                    s.plan_reserved_bytes,
+                );
             }
         },
     )?;
@@ -322,6 +330,7 @@ fn replay_passes(
             backend: backend_name,
             peak_live_bytes: peak_live,
             peak_reserved_bytes: peak.0,
+            planned_bytes_at_peak: peak.3,
             ratio: ratio(peak.0, peak_live),
             segments_at_peak: peak.1,
             largest_free_block_at_peak: at_peak.0,
