@@ -58,13 +58,18 @@ impl Limit {
         let before = self.counts.used.fetch_add(b, Ordering::Relaxed);
         let limit = self.counts.limit.load(Ordering::Relaxed);
         if before.saturating_add(b) > limit {
-            self.counts.used.fetch_sub(b, Ordering::Relaxed);
+            self.refund(b);
             return Err(Error::ResourceExhausted {
                 resource: format!("{} (budget of {limit} bytes)", self.inner.name()),
                 bytes: b,
             });
         }
         Ok(())
+    }
+
+    /// Take `b` bytes off the budget's count (returned, or a charge whose request failed).
+    fn refund(&self, b: u64) {
+        self.counts.used.fetch_sub(b, Ordering::Relaxed);
     }
 
     /// Bytes obtained through this adaptor and not yet returned.
@@ -77,14 +82,14 @@ impl Resource for Limit {
     fn allocate(&self, stream: Stream, bytes: usize, align: usize) -> Result<DevPtr> {
         let b = bytes as u64;
         self.charge(b)?;
-        self.inner.allocate(stream, bytes, align).inspect_err(|_| {
-            self.counts.used.fetch_sub(b, Ordering::Relaxed);
-        })
+        self.inner
+            .allocate(stream, bytes, align)
+            .inspect_err(|_| self.refund(b))
     }
 
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()> {
         self.inner.deallocate(ptr, bytes, stream)?;
-        self.counts.used.fetch_sub(bytes as u64, Ordering::Relaxed);
+        self.refund(bytes as u64);
         Ok(())
     }
 
@@ -147,9 +152,7 @@ impl VirtualMemory for Limit {
     fn map(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         let vmm = self.inner_vmm()?;
         self.charge(bytes)?;
-        vmm.map(addr, bytes).inspect_err(|_| {
-            self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
-        })
+        vmm.map(addr, bytes).inspect_err(|_| self.refund(bytes))
     }
 
     fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
@@ -158,22 +161,21 @@ impl VirtualMemory for Limit {
 
     fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
         self.inner_vmm()?.unmap(addr, bytes)?;
-        self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
+        self.refund(bytes);
         Ok(())
     }
 
     fn map_on(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
         let vmm = self.inner_vmm()?;
         self.charge(bytes)?;
-        vmm.map_on(addr, bytes, stream).inspect_err(|_| {
-            self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
-        })
+        vmm.map_on(addr, bytes, stream)
+            .inspect_err(|_| self.refund(bytes))
     }
 
     fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         // the memory is the stream's to map again at once: the budget counts it free now
         self.inner_vmm()?.unmap_after(addr, bytes, stream, busy)?;
-        self.counts.used.fetch_sub(bytes, Ordering::Relaxed);
+        self.refund(bytes);
         Ok(())
     }
 

@@ -255,12 +255,19 @@ impl CachingPool {
         let b = &mut self.blocks[id as usize];
         let uses = b.uses.take().map(|u| *u).unwrap_or_default();
         b.state = State::Pending;
-        if uses.iter().any(|&s| self.capturing(s)) {
+        // (asking whether a stream captures is a driver call while any capture runs: once each;
+        // none at all, and no allocation, while none runs)
+        let capturing: Vec<bool> = if self.shared.captures.load(Ordering::Relaxed) > 0 {
+            uses.iter().map(|&s| self.capturing(s)).collect()
+        } else {
+            Vec::new()
+        };
+        if capturing.iter().any(|&c| c) {
             // where the block's own stream and every user capture, the nodes the users have
             // reached: once the block's stream depends on them all, the block is free again
             // (PyTorch's graph_capture_record_stream_reuse, always on)
             let own = self.blocks[id as usize].stream;
-            let nodes = if self.capturing(own) && uses.iter().all(|&s| self.capturing(s)) {
+            let nodes = if capturing.iter().all(|&c| c) && self.capturing(own) {
                 uses.iter()
                     .map(|&s| self.backend.capture_frontier(s))
                     .collect::<Option<Vec<Vec<u64>>>>()
