@@ -32,6 +32,8 @@ pub(super) const MIN_ALLOCS: usize = 8;
 pub(super) const MAX_ALLOCS: usize = 16_384;
 /// Plans kept at once (phases of a job); beyond, the one used longest ago is dissolved.
 const MAX_PLANS: usize = 4;
+/// The greedy orders [`place`] tries (see [`order`]).
+const ORDERS: usize = 4;
 /// Blocks from which [`place`] tries its orders on threads of their own.
 const PARALLEL_LIVES: usize = 256;
 /// No slot at this position of the period.
@@ -73,7 +75,7 @@ impl Life {
 pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u64>, u64) {
     let attempt =
         |k: usize, fit: bool| place_in(lives, period, &order(lives, period, k), fit, fixed);
-    let tries: Vec<(usize, bool)> = (0..3).flat_map(|k| [(k, false), (k, true)]).collect();
+    let tries: Vec<(usize, bool)> = (0..ORDERS).flat_map(|k| [(k, false), (k, true)]).collect();
     // each attempt is quadratic in the blocks: a step of a few thousand blocks tries them
     // side by side (on threads of their own; one by one where threads cannot be had), so
     // that the plan serves a step sooner
@@ -114,13 +116,49 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 /// length of life (1), by length of life (2), larger first.
 fn order(lives: &[Life], period: u32, k: usize) -> Vec<usize> {
     let len = |l: &Life| u64::from((l.end + period - l.start) % period);
-    let key = |l: &Life| match k {
-        0 => (u64::MAX - l.size, u64::MAX - len(l), l.start),
-        1 => (u64::MAX - l.size.saturating_mul(len(l)), 0, l.start),
-        _ => (u64::MAX - len(l), u64::MAX - l.size, l.start),
+    // bytes held at each position, and the most held during each block's life ("breadth")
+    let breadth: Vec<u64> = if k >= 3 {
+        let mut delta = vec![0i128; period as usize + 1];
+        for l in lives {
+            for (a, b) in l.spans(period) {
+                if a < b {
+                    delta[a as usize] += l.size as i128;
+                    delta[b as usize] -= l.size as i128;
+                }
+            }
+        }
+        let mut held = vec![0u64; period as usize];
+        let mut acc = 0i128;
+        for (i, h) in held.iter_mut().enumerate() {
+            acc += delta[i];
+            *h = acc.max(0) as u64;
+        }
+        lives
+            .iter()
+            .map(|l| {
+                l.spans(period)
+                    .iter()
+                    .filter(|s| s.0 < s.1)
+                    .flat_map(|&(a, b)| held[a as usize..b as usize].iter().copied())
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let key = |i: usize| {
+        let l = &lives[i];
+        match k {
+            0 => (u64::MAX - l.size, u64::MAX - len(l), l.start),
+            1 => (u64::MAX - l.size.saturating_mul(len(l)), 0, l.start),
+            2 => (u64::MAX - len(l), u64::MAX - l.size, l.start),
+            // greedy by breadth (Pisarchyk & Lee): the blocks of the fullest moments first
+            _ => (u64::MAX - breadth[i], u64::MAX - l.size, l.start),
+        }
     };
     let mut order: Vec<usize> = (0..lives.len()).collect();
-    order.sort_by_key(|&i| key(&lives[i]));
+    order.sort_by_key(|&i| key(i));
     order
 }
 
@@ -1241,7 +1279,7 @@ mod tests {
     #[test]
     fn a_large_step_is_placed_on_threads_as_one_by_one() {
         // 1,200 blocks of a random step (xorshift): tried side by side, the layout is the
-        // first smallest of the six orders, as when they are tried one after another
+        // first smallest of the orders, as when they are tried one after another
         let mut x = 0x2545_f491_4f6c_dd1du64;
         let mut next = |m: u64| {
             x ^= x << 13;
@@ -1260,7 +1298,7 @@ mod tests {
         assert!(lives.len() >= PARALLEL_LIVES);
         let (off, total) = place(&lives, period, &[]);
         let mut best: Option<(Vec<u64>, u64)> = None;
-        for k in 0..3 {
+        for k in 0..ORDERS {
             for fit in [false, true] {
                 let r = place_in(&lives, period, &order(&lives, period, k), fit, &[]);
                 if best.as_ref().is_none_or(|b| r.1 < b.1) {
