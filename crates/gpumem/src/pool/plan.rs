@@ -5,7 +5,9 @@
 //! its free (a block freed in the next step wraps around). The planner places those blocks at
 //! offsets in one region so that blocks whose lifetimes meet never share bytes ("greedy by
 //! size", Pisarchyk & Lee 2020: the largest first, each at the lowest offset free of the
-//! blocks placed before it that live at the same time). The region's pages are mapped once;
+//! blocks placed before it that live at the same time; and other orders beside it, the
+//! smallest layout kept: by breadth, by life, and by size with the largest blocks
+//! shuffled). The region's pages are mapped once;
 //! later steps take their planned offsets without a search and without a driver call.
 //!
 //! Serving follows the job with a cursor over the period's events: an event that matches the
@@ -34,6 +36,8 @@ pub(super) const MAX_ALLOCS: usize = 16_384;
 const MAX_PLANS: usize = 4;
 /// The greedy orders [`place`] tries (see [`order`]).
 const ORDERS: usize = 4;
+/// Orders [`place`] also tries with the largest blocks shuffled (see [`order`]).
+const SHUFFLES: usize = 4;
 /// Blocks from which [`place`] tries its orders on threads of their own.
 const PARALLEL_LIVES: usize = 256;
 /// No slot at this position of the period.
@@ -73,9 +77,23 @@ impl Life {
 /// overlap, nor any of the `fixed` ranges `[lo, hi)` (blocks that stay where they are), and
 /// the bytes the layout spans: the best of a few greedy orders.
 pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u64>, u64) {
-    let attempt =
-        |k: usize, fit: bool| place_in(lives, period, &order(lives, period, k), fit, fixed);
-    let tries: Vec<(usize, bool)> = (0..ORDERS).flat_map(|k| [(k, false), (k, true)]).collect();
+    place_pinned(lives, period, fixed, &[])
+}
+
+/// [`place`] with `pinned` blocks (index, offset) where they are.
+fn place_pinned(
+    lives: &[Life],
+    period: u32,
+    fixed: &[(u64, u64)],
+    pinned: &[(usize, u64)],
+) -> (Vec<u64>, u64) {
+    let attempt = |k: usize, fit: bool| {
+        place_around(lives, period, &order(lives, period, k), fit, fixed, pinned)
+    };
+    let tries: Vec<(usize, bool)> = (0..ORDERS)
+        .flat_map(|k| [(k, false), (k, true)])
+        .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)))
+        .collect();
     // each attempt is quadratic in the blocks: a step of a few thousand blocks tries them
     // side by side (on threads of their own; one by one where threads cannot be had), so
     // that the plan serves a step sooner
@@ -113,11 +131,13 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 }
 
 /// The blocks of `lives` in the `k`-th of [`place`]'s orders: by size (0), by size times
-/// length of life (1), by length of life (2), larger first.
+/// length of life (1), by length of life (2), by breadth (3), larger first; from
+/// [`ORDERS`] on, by size with the largest blocks shuffled.
 fn order(lives: &[Life], period: u32, k: usize) -> Vec<usize> {
     let len = |l: &Life| u64::from((l.end + period - l.start) % period);
+    let base = if k >= ORDERS { 0 } else { k };
     // bytes held at each position, and the most held during each block's life ("breadth")
-    let breadth: Vec<u64> = if k >= 3 {
+    let breadth: Vec<u64> = if base == 3 {
         let mut delta = vec![0i128; period as usize + 1];
         for l in lives {
             for (a, b) in l.spans(period) {
@@ -149,7 +169,7 @@ fn order(lives: &[Life], period: u32, k: usize) -> Vec<usize> {
     };
     let key = |i: usize| {
         let l = &lives[i];
-        match k {
+        match base {
             0 => (u64::MAX - l.size, u64::MAX - len(l), l.start),
             1 => (u64::MAX - l.size.saturating_mul(len(l)), 0, l.start),
             2 => (u64::MAX - len(l), u64::MAX - l.size, l.start),
@@ -159,22 +179,31 @@ fn order(lives: &[Life], period: u32, k: usize) -> Vec<usize> {
     };
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| key(i));
+    if k >= ORDERS {
+        // by size, with the blocks of at least half the largest one's size in an order drawn
+        // from `k`: every by-size order stacks blocks of one size from the bottom, and puts
+        // the next size above them all, where two blocks that take turns (the two copies of
+        // an output a loop keeps into its next step) are best at either end of the stack of
+        // the ones they meet in turn (gpt_train's plan: 500 MiB over its bound by size, at
+        // it in two of four shuffles)
+        let largest = lives.iter().map(|l| l.size).max().unwrap_or(0);
+        let big = order
+            .iter()
+            .take_while(|&&i| lives[i].size.saturating_mul(2) >= largest)
+            .count();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (k as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        for i in (1..big).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            order.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+    }
     order
 }
 
 /// Place `lives` in `order`, each at the lowest offset where it fits (`best_gap`: in the
-/// smallest gap it fits, else on top).
-fn place_in(
-    lives: &[Life],
-    period: u32,
-    order: &[usize],
-    best_gap: bool,
-    fixed: &[(u64, u64)],
-) -> (Vec<u64>, u64) {
-    place_around(lives, period, order, best_gap, fixed, &[])
-}
-
-/// [`place_in`] with `pinned` blocks (index, offset) placed first where they are.
+/// smallest gap it fits, else on top), `pinned` blocks (index, offset) first where they are.
 fn place_around(
     lives: &[Life],
     period: u32,
@@ -862,7 +891,8 @@ impl CachingPool {
     /// Place plan `i` again now, at its start, around what its home segment `seg` holds: its
     /// blocks that are still live from the period before (their lives wrap around the start)
     /// keep the places they have (the plan pins them there), every other block in use stays
-    /// in the way. Once per plan, on the allocating thread (one greedy pass).
+    /// in the way. Once per plan, on the allocating thread (the orders of [`place`], side by
+    /// side).
     fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
         let n0 = self.plans.repeats.events();
@@ -893,17 +923,7 @@ impl CachingPool {
             }
             id = b.next;
         }
-        let lives = &p.layout.lives;
-        let mut order: Vec<usize> = (0..lives.len()).collect();
-        let len = |l: &Life| (l.end + period as u32 - l.start) % period as u32;
-        order.sort_by_key(|&k| {
-            (
-                u64::MAX - lives[k].size,
-                u32::MAX - len(&lives[k]),
-                lives[k].start,
-            )
-        });
-        let (offsets, total) = place_around(lives, period as u32, &order, false, &fixed, &pinned);
+        let (offsets, total) = place_pinned(&p.layout.lives, period as u32, &fixed, &pinned);
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let p = &mut self.plans.plans[i];
         for (k, s) in p.layout.slots.iter_mut().enumerate() {
@@ -1298,9 +1318,12 @@ mod tests {
         assert!(lives.len() >= PARALLEL_LIVES);
         let (off, total) = place(&lives, period, &[]);
         let mut best: Option<(Vec<u64>, u64)> = None;
-        for k in 0..ORDERS {
-            for fit in [false, true] {
-                let r = place_in(&lives, period, &order(&lives, period, k), fit, &[]);
+        let tries = (0..ORDERS)
+            .flat_map(|k| [(k, false), (k, true)])
+            .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)));
+        for (k, fit) in tries {
+            {
+                let r = place_around(&lives, period, &order(&lives, period, k), fit, &[], &[]);
                 if best.as_ref().is_none_or(|b| r.1 < b.1) {
                     best = Some(r);
                 }
