@@ -1322,11 +1322,9 @@ mod tests {
             .flat_map(|k| [(k, false), (k, true)])
             .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)));
         for (k, fit) in tries {
-            {
-                let r = place_around(&lives, period, &order(&lives, period, k), fit, &[], &[]);
-                if best.as_ref().is_none_or(|b| r.1 < b.1) {
-                    best = Some(r);
-                }
+            let r = place_around(&lives, period, &order(&lives, period, k), fit, &[], &[]);
+            if best.as_ref().is_none_or(|b| r.1 < b.1) {
+                best = Some(r);
             }
         }
         assert_eq!(best, Some((off.clone(), total)));
