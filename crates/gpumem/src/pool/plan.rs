@@ -130,6 +130,27 @@ fn place_pinned(
     best.unwrap_or_default()
 }
 
+/// The bytes `lives` hold at each position of a period of `period` events.
+fn held_bytes<'a>(lives: impl IntoIterator<Item = &'a Life>, period: u32) -> Vec<u64> {
+    let mut delta = vec![0i128; period as usize + 1];
+    for l in lives {
+        for (a, b) in l.spans(period) {
+            if a < b {
+                delta[a as usize] += l.size as i128;
+                delta[b as usize] -= l.size as i128;
+            }
+        }
+    }
+    let mut acc = 0i128;
+    delta[..period as usize]
+        .iter()
+        .map(|d| {
+            acc += d;
+            acc.max(0) as u64
+        })
+        .collect()
+}
+
 /// The blocks of `lives` in the `k`-th of [`place`]'s orders: by size (0), by size times
 /// length of life (1), by length of life (2), by breadth (3), larger first; from
 /// [`ORDERS`] on, by size with the largest blocks shuffled.
@@ -138,21 +159,7 @@ fn order(lives: &[Life], period: u32, k: usize) -> Vec<usize> {
     let base = if k >= ORDERS { 0 } else { k };
     // bytes held at each position, and the most held during each block's life ("breadth")
     let breadth: Vec<u64> = if base == 3 {
-        let mut delta = vec![0i128; period as usize + 1];
-        for l in lives {
-            for (a, b) in l.spans(period) {
-                if a < b {
-                    delta[a as usize] += l.size as i128;
-                    delta[b as usize] -= l.size as i128;
-                }
-            }
-        }
-        let mut held = vec![0u64; period as usize];
-        let mut acc = 0i128;
-        for (i, h) in held.iter_mut().enumerate() {
-            acc += delta[i];
-            *h = acc.max(0) as u64;
-        }
+        let held = held_bytes(lives, period);
         lives
             .iter()
             .map(|l| {
@@ -380,21 +387,7 @@ pub(super) fn layout(
         return None;
     }
     // where the fewest planned bytes are held: the plan starts at that allocation
-    let mut delta = vec![0i128; period as usize + 1];
-    for (_, l) in &mine {
-        for (a, b) in l.spans(period) {
-            if a < b {
-                delta[a as usize] += l.size as i128;
-                delta[b as usize] -= l.size as i128;
-            }
-        }
-    }
-    let mut held = vec![0i128; period as usize];
-    let mut acc = 0i128;
-    for (i, h) in held.iter_mut().enumerate() {
-        acc += delta[i];
-        *h = acc;
-    }
+    let held = held_bytes(mine.iter().map(|(_, l)| l), period);
     let start = mine
         .iter()
         .map(|(a, _)| *a)
