@@ -353,10 +353,11 @@ fn active_peaks_follow_current_without_deferred_frees() {
 }
 
 /// A job whose layout drifts every step (sizes drawn per step, 4 ms a step): moving pages
-/// would be needed on every step, and costs more than 1% of a step. The moves' time on the device's clock (the simulator's: what
-/// their calls would cost on an H100) stays within 1% of the elapsed time plus the budget's
-/// cap and one move; once they overdraw it they stop for good, and the job maps and keeps: no
-/// driver call in its last steps.
+/// would be needed on every step, and costs more than 1% of a step. All page work on the
+/// allocating thread, growth and moves, on the device's clock (the simulator's: what their
+/// calls would cost on an H100) stays within 1% of the elapsed time plus one move: moves
+/// spend only what growth left of the budget, and the job maps and keeps: no driver call in
+/// its last steps.
 #[test]
 fn page_moves_stay_within_the_time_budget_then_stop() {
     use gpumem::workload::SplitMix;
@@ -398,11 +399,14 @@ fn page_moves_stay_within_the_time_budget_then_stop() {
     let s = a.stats();
     let elapsed_ns = (steps * step_us * 1000) as f64;
     assert!(s.num_page_moves > 0, "the job moved pages at first");
-    assert!(s.num_move_stops >= 1, "moves stopped");
+    // (the first steps' growth is charged too: the moves spend what it left, and here they
+    // never overdraw, so they need no stop)
+    assert_eq!(s.num_pressure_moves, 0);
     let one_move_ns = 300.0 * 90_000.0 / 2.0; // 300 MiB of 2 MiB pages at 90 µs each
     assert!(
-        (s.page_move_ns as f64) <= 0.01 * elapsed_ns + 0.01e9 + one_move_ns,
-        "moves took {} ms of {} ms",
+        (s.page_map_ns as f64) <= 0.01 * elapsed_ns + one_move_ns,
+        "page work took {} ms (moves {} ms) of {} ms",
+        s.page_map_ns as f64 / 1e6,
         s.page_move_ns as f64 / 1e6,
         elapsed_ns / 1e6
     );
@@ -417,15 +421,15 @@ fn page_moves_stay_within_the_time_budget_then_stop() {
 fn memory_pressure_moves_pages_whatever_the_time_budget() {
     let (a, _dev) =
         Device::simulated(1 << 40, Config::parse("memory_limit_mb:70000").unwrap()).unwrap();
-    // the clock stands still: a first move (x's 20000 MiB of pages, 313 handles, to z)
-    // overdraws the budget
+    // the clock stands still: the time budget earns nothing, and z grows the pool rather
+    // than take x's 20000 MiB of pages
     let x = a.allocate(S, (20000 * MIB) as usize, 256).unwrap();
     let y = a.allocate(S, (15000 * MIB) as usize, 256).unwrap();
     a.deallocate(x).unwrap();
     let z = a.allocate(S, (25000 * MIB) as usize, 256).unwrap();
     let s = a.stats();
-    assert!(s.num_page_moves >= 1 && s.num_move_stops == 1, "{s:?}");
-    assert_eq!(s.num_pressure_moves, 0);
+    assert_eq!(s.num_page_moves, 0, "{s:?}");
+    assert_eq!(s.reserved_bytes.all.current, 60000 * MIB);
     // y's pages are free and mapped, below z; 40000 MiB fit in no free block: growing would
     // reserve 80000 MiB, past the budget, so pages move although moves are stopped
     a.deallocate(y).unwrap();

@@ -4,7 +4,8 @@
 //!
 //! Every draw keeps page moves within their time budget (`pool/budget.rs`): the moves' time
 //! on the replay's clock (the trace's times, 50 µs an event, plus the modelled driver calls) is
-//! at most 1% of the trace's wall time plus the budget's cap and the longest move. Memory: each
+//! at most 1% of the trace's wall time plus the longest move (the budget starts with no credit,
+//! and the growth it is charged leaves less for moves). Memory: each
 //! test asserts the worst ratio measured when it was written (so a regression fails CI) and
 //! prints how many draws are above 1.02.
 
@@ -133,7 +134,10 @@ fn convnet_variable_resolution() {
 const BOUND_FIXED_SHAPE: f64 = 1.28;
 const BOUND_VARLEN: f64 = 1.23;
 const BOUND_MOE: f64 = 1.075;
-const BOUND_KV: f64 = 1.04;
+// (KV decoding was 1.04 while a job's first maps were not charged to the time budget and it
+// started with a second's credit: its early moves kept 0.01 more; the real trace
+// `torch_kv_decode` went 1.028 -> 1.042 with the change, native's 1.559)
+const BOUND_KV: f64 = 1.055;
 const BOUND_SERVING: f64 = 1.075;
 const BOUND_TINY_HUGE: f64 = 1.39;
 const BOUND_MULTI_STREAM: f64 = 1.33;

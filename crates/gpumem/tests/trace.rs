@@ -291,8 +291,9 @@ fn convnet_training() {
 
 #[test]
 fn pytorch_kv_cache_decoding() {
-    // 1.028 measured (expandable segments 1.036 in a real run, native 1.503)
-    real("torch_kv_decode.jsonl.gz", 1.036);
+    // 1.042 measured (1.028 while the time budget started with a second's credit and did not
+    // charge growth; expandable segments 1.036 in a real run, native 1.503)
+    real("torch_kv_decode.jsonl.gz", 1.043);
 }
 
 #[test]
@@ -367,12 +368,12 @@ fn reads_a_real_pytorch_snapshot_pickle() {
 }
 
 /// The replay's driver cost model: every real trace gets its modelled driver time (the page
-/// engine's counted calls at H100 costs) and its share of the trace's wall time. Classic
-/// segments stay under 1% of wall time on every trace; the expandable rows are reported (the
-/// issue's 1% target is not met on all of them: most of it is the first step's growth, every
-/// page created and mapped once, in traces of a few steps).
+/// engine's counted calls at H100 costs) and its share of the trace's wall time, at most 1% on
+/// every one, with pages (the default) and with classic segments: the time budget charges
+/// growth too, and moves spend only what it left (traces of a few steps, whose first step maps
+/// everything, included).
 #[test]
-fn the_cost_model_reports_driver_time_on_every_real_trace() {
+fn the_cost_model_keeps_driver_time_within_one_percent_on_every_real_trace() {
     use gpumem::trace::CostModel;
     for name in [
         "gpt_train.jsonl.gz",
@@ -380,21 +381,23 @@ fn the_cost_model_reports_driver_time_on_every_real_trace() {
         "torch_kv_decode.jsonl.gz",
         "torch_varlen_train.jsonl.gz",
         "torch_gptfix_train.jsonl.gz",
+        "torch_moe_train.jsonl.gz",
+        "torch_moe16_train.jsonl.gz",
+        "torch_resres_train.jsonl.gz",
+        "torch_serve.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         for conf in ["", "expandable_segments:False"] {
             let r = replay("m", &events, &Config::parse(conf).unwrap(), TIB).unwrap();
             let share = r.critical_path_share.expect("real traces have times");
-            assert!(
-                r.critical_path_us > 0.0 && share > 0.0,
-                "{name} {conf}: {r:?}"
-            );
-            if !conf.is_empty() {
-                assert!(share <= 0.01, "{name}: classic segments {share}");
-            }
             println!(
                 "{name} [{conf}]: {:.2} ms, {:.2}% of wall",
                 r.critical_path_us / 1e3,
+                share * 100.0
+            );
+            assert!(
+                r.critical_path_us > 0.0 && share > 0.0 && share <= 0.01,
+                "{name} [{conf}]: {:.2}% of wall ({r:?})",
                 share * 100.0
             );
         }
@@ -468,19 +471,20 @@ fn pytorch_resnet_variable_resolution() {
 #[test]
 fn real_traces_with_a_lagging_gpu() {
     let cases = [
-        ("gpt_train.jsonl.gz", 1.082),
-        // 1.0195 with the GPU 300 calls behind: above expandable segments' 1.017
-        ("resnet50_train.jsonl.gz", 1.02),
-        ("torch_varlen_train.jsonl.gz", 1.069),
-        ("torch_kv_decode.jsonl.gz", 1.036),
-        ("torch_moe_train.jsonl.gz", 1.087),
-        // 1.094 with the GPU 300 calls behind: above expandable segments' 1.087
-        ("torch_moe16_train.jsonl.gz", 1.095),
-        ("torch_resres_train.jsonl.gz", 1.025),
+        // 1.0909 with the GPU behind (1.0146 while the budget did not charge growth): step
+        // 3's loss temporaries grow the pool once the second's credit is spent; native 1.137,
+        // expandable segments 1.105
+        ("gpt_train.jsonl.gz", 1.091),
+        ("resnet50_train.jsonl.gz", 1.015),
+        ("torch_varlen_train.jsonl.gz", 1.026),
+        ("torch_kv_decode.jsonl.gz", 1.043),
+        ("torch_moe_train.jsonl.gz", 1.073),
+        // 1.0996 with the GPU 3000 calls behind: above expandable segments' 1.087
+        ("torch_moe16_train.jsonl.gz", 1.1),
+        ("torch_resres_train.jsonl.gz", 1.027),
         ("torch_serve.jsonl.gz", 1.09),
-        // 1.0587 with the GPU 3000 calls behind (the plan's region comes while the dynamic
-        // pool's pages are not yet known idle), under native's 1.062
-        ("torch_gptfix_train.jsonl.gz", 1.062),
+        // 1.0119 at every lag (1.0587 with the GPU 3000 calls behind before)
+        ("torch_gptfix_train.jsonl.gz", 1.012),
     ];
     for (name, bound) in cases {
         let events = read_trace(&data(name)).unwrap();
@@ -532,28 +536,26 @@ fn a_run_of_pages_is_one_handle() {
     );
 }
 
-/// `gpumem advise` tries page sizes: where the default's modelled driver time (growth
-/// included) is more than 1% of the trace's, a larger page brings it within 1% (resnet50:
-/// 8 MiB, 1.017; MoE: 16 MiB, 1.065); on gpt the default already is.
+/// `gpumem advise` tries page sizes and policies, and names the one that reserves least among
+/// those within 1% of the trace's wall time: the default (2 MiB pages) is within it on every
+/// trace now that the time budget charges growth (resnet50 and MoE needed 8 and 16 MiB pages
+/// before), and the advice reserves no more than the default.
 #[test]
-fn advice_within_the_time_budget_is_a_larger_page_where_one_suffices() {
+fn advice_within_the_time_budget_reserves_no_more_than_the_default() {
     use gpumem::trace::advise::advise;
-    for (name, page) in [
-        ("gpt_train.jsonl.gz", None),
-        ("resnet50_train.jsonl.gz", Some("expandable_page_mb:8")),
-        ("torch_moe_train.jsonl.gz", Some("expandable_page_mb:16")),
+    for name in [
+        "gpt_train.jsonl.gz",
+        "resnet50_train.jsonl.gz",
+        "torch_moe_train.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         let a = advise(name, &events, &[]).unwrap();
-        assert_eq!(
-            a.candidates[0].within_time_budget,
-            page.is_none(),
-            "{name}: 2 MiB pages"
+        assert!(a.candidates[0].within_time_budget, "{name}: 2 MiB pages");
+        let w = &a.candidates[a.best_within_budget.expect("the default is")];
+        assert!(
+            w.report.peak_reserved_bytes <= a.candidates[0].report.peak_reserved_bytes,
+            "{name}: {}",
+            w.conf
         );
-        if let Some(p) = page {
-            let w = &a.candidates[a.best_within_budget.expect("classic segments always are")];
-            assert_eq!(w.conf, p, "{name}");
-            assert!(w.report.ratio <= 1.08, "{name}: {}", w.report.ratio);
-        }
     }
 }

@@ -123,10 +123,7 @@ mod tests {
             let blocks = a.allocate_batch(s, &sizes, 256).unwrap();
             let after = sim.counters();
             let calls = (after.allocs - before.allocs) + (after.maps - before.maps);
-            // (with pages, the batch's last page is mapped on its own: the batch ends inside
-            // it, and the next block will share it)
-            let want = if vmm { 2 } else { 1 };
-            assert_eq!(calls, want, "one map for the batch (vmm {vmm})");
+            assert_eq!(calls, 1, "one map for the batch (vmm {vmm})");
             for w in blocks.windows(2) {
                 let rounded = crate::pool::size::round_size(
                     w[0].size() as u64,

@@ -1,4 +1,4 @@
-//! The time budget of page moves (expandable segments).
+//! The time budget of page work on the allocating thread (expandable segments).
 //!
 //! Moving a page (unmapping free memory in one place to map it where a block needs it, instead
 //! of growing) keeps reserved memory down, but its driver calls run on the allocating thread
@@ -7,7 +7,11 @@
 //! by construction:
 //!
 //! - credit accrues at [`SHARE`] of the time that passes on the backend's clock (wall time on a
-//!   GPU; a replay's clock is the trace's time plus its modelled calls), up to [`CAP_NS`];
+//!   GPU; a replay's clock is the trace's time plus its modelled calls), from nothing, up to
+//!   [`CAP_NS`];
+//! - every page call the allocating thread makes is charged, growth included: moves spend only
+//!   what growing left of the budget (a job's first step, which maps everything it uses, leaves
+//!   nothing, so its memory is mapped where it is first needed and nothing moves);
 //! - a move is made only while there is credit, and its measured duration is charged;
 //! - a move that overdraws the credit stops moves: from then on the pool maps and keeps (as
 //!   PyTorch's expandable segments do), except while the job's demand changes (for
@@ -17,12 +21,12 @@
 //!   growing (a KV cache) moves as the credit allows; one whose moves are cheap (they never
 //!   overdraw) goes on moving within the budget.
 //!
-//! Over any interval of T ns, moves take at most `SHARE * T + CAP_NS` plus the longest move
-//! (one allocation's pages: about what growing by as much would have cost). Growth
-//! beyond the high-water mark is not a move and is not charged (any allocator pays for
-//! memory it has never had); moves made because growing would pass the memory budget are not
-//! charged either: then fitting is the job (`num_pressure_moves` counts them, and their time
-//! is in `page_map_ns`).
+//! Over the first T ns, moves and growth together take at most `SHARE * T` plus the longest
+//! move (one allocation's pages: about what growing by as much would have cost), and over any
+//! later interval at most [`CAP_NS`] more, unless growth alone takes more: memory the job has never had is mapped
+//! whatever it costs (any allocator pays for it), and then nothing moves. Moves made because
+//! growing would pass the memory budget are not charged: then fitting is the job
+//! (`num_pressure_moves` counts them, and their time is in `page_map_ns`).
 
 /// Share of wall time page moves may take.
 pub const SHARE: f64 = 0.01;
@@ -35,11 +39,11 @@ pub const GROWING_NS: u64 = 1_000_000_000;
 #[derive(Debug, Clone)]
 pub(super) struct MoveBudget {
     /// ns of moves still allowed (negative: overdrawn)
-    credit: f64,
+    pub(super) credit: f64,
     /// clock reading of the last accrual
     last: Option<u64>,
     /// a move overdrew the credit
-    stopped: bool,
+    pub(super) stopped: bool,
     /// the highest peak of allocated bytes seen, and the clock reading when it last grew
     peak: u64,
     grew_at: u64,
@@ -54,7 +58,7 @@ pub(super) struct MoveBudget {
 impl Default for MoveBudget {
     fn default() -> Self {
         Self {
-            credit: CAP_NS,
+            credit: 0.0,
             last: None,
             stopped: false,
             peak: 0,
@@ -92,6 +96,12 @@ impl MoveBudget {
         }
     }
 
+    /// Charge growth that took `ns`, ending at `now`: it leaves less for moves, and stops none.
+    pub(super) fn charge_growth(&mut self, now: u64, ns: u64) {
+        self.accrue(now);
+        self.credit -= ns as f64;
+    }
+
     /// Whether moves are stopped (beyond the job's growth).
     #[cfg(test)]
     fn stopped(&self) -> bool {
@@ -125,26 +135,32 @@ mod tests {
     fn moves_stop_on_an_overdraft_and_go_on_only_while_demand_grows() {
         let sec = 1_000_000_000u64;
         let mut b = MoveBudget::default();
-        assert!(b.may_move(0, 100));
+        assert!(!b.may_move(0, 100), "no credit before time passes");
+        // growth is charged and stops nothing: a second later, what is left of the credit
+        b.charge_growth(0, 4_000_000);
+        assert!(b.may_move(sec, 100) && !b.stopped());
+        assert!(b.credit <= CAP_NS - 4_000_000.0 + 1.0);
+        let t = 2 * sec;
+        assert!(b.may_move(t, 100));
         b.charge(CAP_NS as u64 / 2);
-        assert!(b.may_move(0, 100) && !b.stopped());
+        assert!(b.may_move(t, 100) && !b.stopped());
         b.charge(CAP_NS as u64);
         assert!(b.stopped());
         // (still within a second of the peak's growth: moves as the credit allows)
-        assert!(!b.may_move(sec / 2, 100));
+        assert!(!b.may_move(t + sec / 2, 100));
         // credit comes back with time, moves do not while the peak stays
-        assert!(!b.may_move(10 * sec, 100));
-        assert!(!b.may_move(20 * sec, 100));
+        assert!(!b.may_move(t + 10 * sec, 100));
+        assert!(!b.may_move(t + 20 * sec, 100));
         // a new peak of allocated bytes: moves again, with the credit accrued, for a while
-        assert!(b.may_move(20 * sec, 101));
-        assert!(b.may_move(20 * sec + GROWING_NS, 101));
-        assert!(!b.may_move(21 * sec + GROWING_NS, 101));
+        assert!(b.may_move(t + 20 * sec, 101));
+        assert!(b.may_move(t + 20 * sec + GROWING_NS, 101));
+        assert!(!b.may_move(t + 21 * sec + GROWING_NS, 101));
         assert_eq!(b.stops, 1);
         // and never beyond the credit
-        assert!(b.may_move(30 * sec, 102));
+        assert!(b.may_move(t + 30 * sec, 102));
         b.charge(2 * CAP_NS as u64);
-        assert!(!b.may_move(30 * sec, 200));
-        assert!(b.may_move(30 * sec + 2 * (CAP_NS / SHARE) as u64, 201));
+        assert!(!b.may_move(t + 30 * sec, 200));
+        assert!(b.may_move(t + 30 * sec + 2 * (CAP_NS / SHARE) as u64, 201));
         assert_eq!(b.stops, 1);
     }
 

@@ -215,6 +215,9 @@ impl CachingPool {
         // the pool grows, as PyTorch's expandable segments do
         let pressure = over > 0 && self.over_limit(need);
         let budgeted = over > 0 && !pressure && self.budget.may_move(started, peak);
+        if over > 0 && std::env::var("X_DBG").is_ok() {
+            eprintln!("OVER t={}ms need={}MiB over={}MiB credit={:.2}ms budgeted={budgeted} stopped={} res={}", started/1000000, need>>20, over>>20, self.budget.credit/1e6, self.budget.stopped, reserved>>20);
+        }
         let mut moved = false;
         if pressure || budgeted {
             moved = true;
@@ -223,36 +226,6 @@ impl CachingPool {
             // no waiting here: pages not yet known idle stay, new ones are mapped
             self.reclaim_pages(Some(stream), over, false);
         }
-        // a run's first and last pages are mapped as handles of their own where the block
-        // shares them with its neighbours (it starts or ends inside them): a handle unmaps
-        // only whole, so a shared edge page would hold the whole run's memory once the block
-        // is freed, for as long as the neighbour lives (replays of several streams: 1.556 ->
-        // 1.116 on the worst draw of 16 steps)
-        let (lo, hi, head, tail) = {
-            let b = &self.blocks[id as usize];
-            let end = b.addr + size;
-            (
-                (b.addr - base) / page,
-                (end - base).div_ceil(page),
-                b.addr % page != 0,
-                end % page != 0,
-            )
-        };
-        let runs: Vec<(u64, u64)> = runs
-            .into_iter()
-            .flat_map(|(f, n)| {
-                let (mut f, mut e) = (f, f + n);
-                let first = (head && f == lo && e - f > 1).then(|| {
-                    f += 1;
-                    (f - 1, 1)
-                });
-                let last = (tail && e == hi && e - f > 1).then(|| {
-                    e -= 1;
-                    (e, 1)
-                });
-                first.into_iter().chain([(f, e - f)]).chain(last)
-            })
-            .collect();
         let mut result = Ok(need);
         for (first, n) in runs {
             let (a, bytes) = (base + first * page, n * page);
@@ -294,8 +267,12 @@ impl CachingPool {
         }
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
+        // growth is charged too (without stopping moves): moves spend what it leaves of the
+        // budget; only what fitting under the memory budget costs is not charged
         if budgeted {
             self.budget.charge(took);
+        } else if !moved {
+            self.budget.charge_growth(started + took, took);
         }
         result
     }

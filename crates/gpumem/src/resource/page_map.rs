@@ -5,7 +5,7 @@
 //! On an H100 the driver's page calls cost per mapping, not per byte: setting access and
 //! unmapping cost ~20–45 µs per mapping they cover, creating a handle ~13 µs, whatever its
 //! size (`shared/notes/vmm-costs.md`). So a handle spans a run of pages: a map creates one
-//! handle per run of pages it needs (at most [`MAX_SPAN`] pages, aligned to that many), and
+//! handle per run of pages it needs (at most [`MAX_SPAN`] pages, cut from the run's start), and
 //! the pool unmaps only whole handles ([`PageMap::unit_at`] says where one lies). A handle can
 //! be mapped only whole, at offset 0: a later map uses a free handle only where it fits.
 //!
@@ -48,8 +48,9 @@ pub const MIN_SPARE_PAGES: usize = 8;
 /// ...or this fraction of the live pages (1/200 = 0.5%), whichever is more.
 pub const SPARE_DIVISOR: usize = 200;
 
-/// Pages a created handle spans at most (and the grid, in pages, on which a longer run is
-/// cut): 32 pages of 2 MiB are 64 MiB (PyTorch's expandable segments use 20 MiB handles for
+/// Pages a created handle spans at most (a longer run is cut into handles this long from its
+/// first page, not on a fixed grid: a run crossing a grid line would cost a second handle,
+/// and its calls, for nothing): 32 pages of 2 MiB are 64 MiB (PyTorch's expandable segments use 20 MiB handles for
 /// large blocks). Chosen on the replays of the real traces and the workload families (8, 16,
 /// 32, 64 compared: 32 gave the lowest ratios with the fewest calls but for 64's).
 pub const MAX_SPAN: u64 = 32;
@@ -456,7 +457,7 @@ impl PageMap {
     /// Plan mapping `[addr, addr + bytes)` (whole pages, none live) for work on `stream`:
     /// mappings lingering wholly inside it whose handle this stream may take are live again at
     /// once; the rest get handles kept for the stream or spares where they fit, or new ones,
-    /// one per run (cut at multiples of [`MAX_SPAN`] pages), after unmapping whatever lingers
+    /// one per run (cut every [`MAX_SPAN`] pages from its start), after unmapping whatever lingers
     /// there. The caller makes the calls, then [`PageMap::commit`]s (or
     /// [`PageMap::abandon`]s) the plan.
     pub fn plan_map(&mut self, addr: DevPtr, bytes: u64, stream: Option<u64>) -> Result<MapPlan> {
@@ -552,11 +553,10 @@ impl PageMap {
                         q += s;
                     }
                     None => {
-                        // nothing free fits the rest of the run: new handles, cut where the
-                        // page number is a multiple of MAX_SPAN
+                        // nothing free fits the rest of the run: new handles of up to
+                        // MAX_SPAN pages
                         while q < stop {
-                            let at = addr / page + q;
-                            let s = (MAX_SPAN - at % MAX_SPAN).min(stop - q);
+                            let s = MAX_SPAN.min(stop - q);
                             plan.fresh.push((addr + q * page, s, None));
                             q += s;
                         }
@@ -935,7 +935,6 @@ mod tests {
     use super::*;
 
     const P: u64 = 2 << 20;
-    // page numbers that are multiples of MAX_SPAN: a fresh run starts a handle there
     const A: DevPtr = 0x1000_0000;
     const B: DevPtr = 0x2000_0000;
 
@@ -978,11 +977,14 @@ mod tests {
         );
         assert_eq!(m.live_pages(), 36, "a refused unmap changes nothing");
         assert_eq!(m.detach(A + 32 * P, 4 * P, Some(1), None).unwrap().0, 4);
-        // a run that starts off the grid is cut where the grid is
+        // a run is cut from its own start, wherever that lies
         let c = A + 64 * P + 29 * P;
-        assert_eq!(map(&mut m, c, 6, 2, &mut next), [0, 0, 2, 2]);
-        assert_eq!(m.unit_at(c), Some((c, 3 * P)));
-        assert_eq!(m.unit_at(c + 3 * P), Some((c + 3 * P, 3 * P)));
+        assert_eq!(map(&mut m, c, 6, 2, &mut next), [0, 0, 1, 1]);
+        assert_eq!(m.unit_at(c + 5 * P), Some((c, 6 * P)));
+        let d = c + 6 * P;
+        assert_eq!(map(&mut m, d, 40, 2, &mut next), [0, 0, 2, 2]);
+        assert_eq!(m.unit_at(d + 31 * P), Some((d, 32 * P)));
+        assert_eq!(m.unit_at(d + 32 * P), Some((d + 32 * P, 8 * P)));
     }
 
     #[test]
