@@ -5,9 +5,9 @@
 //! `SEGMENT_FREE` (deregister) entry.
 //!
 //! The changes are those of [`gpumem::adaptor::registration`]: classic segments whole, and the
-//! maximal runs of mapped pages of expandable segments (what the snapshot lists, which is what
-//! PyTorch registers when a communicator starts), each deregistered before any of its memory
-//! is unmapped or freed. PyTorch's NCCL hooks act on `SEGMENT_ALLOC` and `SEGMENT_FREE` only, so
+//! pages of expandable segments as each map makes them (never joined to registered neighbours,
+//! which may be in use), each range deregistered before any of its memory is unmapped or freed
+//! (what stays of it registered again). PyTorch's NCCL hooks act on `SEGMENT_ALLOC` and `SEGMENT_FREE` only, so
 //! mapped runs are told with those actions too (pages told as `SEGMENT_MAP` would never be
 //! registered, nor deregistered before an unmap, as with PyTorch's own expandable segments).
 //!
@@ -16,7 +16,7 @@
 //! logged, and fails a debug build.
 
 use crate::{log_once, state};
-use gpumem::adaptor::registration::{translate, RangeChange, Registry};
+use gpumem::adaptor::registration::{RangeChange, Registry};
 use gpumem::CachingAllocator;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -107,20 +107,23 @@ fn install(device: usize, a: &CachingAllocator) {
     let seen = a.segments().into_iter().flat_map(|s| s.mapped.into_iter());
     let registry = Arc::new(Mutex::new(Registry::with(seen)));
     a.add_segment_hook(Arc::new(move |e| {
-        if let Ok(mut r) = registry.lock() {
-            if let Err(why) = r.follow(e) {
-                TRACKERS.violations.fetch_add(1, Ordering::Relaxed);
-                log_once("tracker", || format!("gpumem: segment tracker: {why}"));
-                debug_assert!(false, "segment tracker: {why}");
-            }
+        let Ok(mut reg) = registry.lock() else {
+            return;
+        };
+        let changes = reg.changes(e);
+        if let Err(why) = reg.follow(e) {
+            TRACKERS.violations.fetch_add(1, Ordering::Relaxed);
+            log_once("tracker", || format!("gpumem: segment tracker: {why}"));
+            debug_assert!(false, "segment tracker: {why}");
         }
+        drop(reg);
         let Ok(l) = TRACKERS.listener.lock() else {
             return;
         };
         let Some(l) = l.as_ref() else {
             return;
         };
-        for r in translate(e) {
+        for r in changes {
             let register = c_int::from(r.change == RangeChange::Register);
             if register == 1 {
                 TRACKERS.registers.fetch_add(1, Ordering::Relaxed);

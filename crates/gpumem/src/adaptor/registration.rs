@@ -3,15 +3,18 @@
 //! deregister, so that nothing it holds is ever unmapped or freed under it.
 //!
 //! Such a user registers a range by its start and size and deregisters it by its start alone.
-//! So the ranges it is told of are the ones a snapshot lists, which is also what PyTorch
-//! registers when a communicator starts: each classic segment, and each maximal run of mapped
-//! pages of an expandable segment. A map next to mapped pages joins runs: the old runs are
-//! deregistered and the joined one registered. An unmap cuts a run: the run is deregistered
-//! before the pages go, and what is left on either side registered again.
+//! A classic segment is registered whole. Pages of an expandable segment are registered as they
+//! are mapped, each map's range on its own, as PyTorch's expandable segments do: a map next to
+//! registered pages never deregisters them, for a collective may be using them (joining the
+//! runs meant deregistering memory in use, which crashed FSDP2 on two GPUs). A range is
+//! deregistered before any of its memory is unmapped (what stays mapped of it is registered
+//! again). When a user starts, what it may hold already is what a snapshot lists (each classic
+//! segment and each maximal run of mapped pages: what PyTorch registers when a communicator
+//! starts).
 //!
-//! [`translate`] is that rule (it needs no state: each event carries its run); [`Registry`]
-//! keeps what was registered and checks every change against it (the invariant: a range is
-//! never unmapped or freed while registered).
+//! [`Registry`] keeps what was registered, says what each segment event asks of the user, and
+//! checks every change against it (the invariant: a range is never unmapped or freed while
+//! registered).
 
 use crate::pool::{SegmentChange, SegmentEvent};
 use crate::resource::{DevPtr, Stream};
@@ -39,45 +42,6 @@ pub struct RangeEvent {
     pub stream: Stream,
     /// the private pool ((0, 0): the shared pool)
     pub pool: (u64, u64),
-}
-
-/// What a registering user does on `e`, in order.
-pub fn translate(e: &SegmentEvent) -> Vec<RangeEvent> {
-    let ev = |change, addr, bytes| RangeEvent {
-        change,
-        addr,
-        bytes,
-        stream: e.stream,
-        pool: e.pool,
-    };
-    let (run0, run1) = (e.run.0, e.run.0 + e.run.1);
-    let (a0, a1) = (e.addr, e.addr + e.bytes);
-    let mut out = Vec::with_capacity(3);
-    match e.change {
-        SegmentChange::Alloc => out.push(ev(RangeChange::Register, e.addr, e.bytes)),
-        SegmentChange::Free => out.push(ev(RangeChange::Deregister, e.addr, e.bytes)),
-        // after the map: the runs on either side were registered apart
-        SegmentChange::Map => {
-            if run0 < a0 {
-                out.push(ev(RangeChange::Deregister, run0, a0 - run0));
-            }
-            if a1 < run1 {
-                out.push(ev(RangeChange::Deregister, a1, run1 - a1));
-            }
-            out.push(ev(RangeChange::Register, run0, e.run.1));
-        }
-        // before the unmap: the whole run goes, what is left on either side comes back
-        SegmentChange::Unmap => {
-            out.push(ev(RangeChange::Deregister, run0, e.run.1));
-            if run0 < a0 {
-                out.push(ev(RangeChange::Register, run0, a0 - run0));
-            }
-            if a1 < run1 {
-                out.push(ev(RangeChange::Register, a1, run1 - a1));
-            }
-        }
-    }
-    out
 }
 
 /// The ranges registered, checked change by change.
@@ -136,10 +100,50 @@ impl Registry {
         Ok(())
     }
 
-    /// Apply what [`translate`] makes of `e`, then check the invariant: memory about to be
-    /// unmapped or freed is registered nowhere.
+    /// What a registering user does on `e`, in order: register what comes; before memory goes,
+    /// deregister every range that holds any of it, then register again what stays of those.
+    pub fn changes(&self, e: &SegmentEvent) -> Vec<RangeEvent> {
+        let ev = |change, addr, bytes| RangeEvent {
+            change,
+            addr,
+            bytes,
+            stream: e.stream,
+            pool: e.pool,
+        };
+        match e.change {
+            SegmentChange::Alloc | SegmentChange::Map => {
+                vec![ev(RangeChange::Register, e.addr, e.bytes)]
+            }
+            SegmentChange::Free | SegmentChange::Unmap => {
+                let (a0, a1) = (e.addr, e.addr.saturating_add(e.bytes));
+                let held: Vec<(DevPtr, u64)> = self
+                    .ranges
+                    .range(..a1)
+                    .rev()
+                    .take_while(|(&a, &b)| a + b > a0)
+                    .map(|(&a, &b)| (a, b))
+                    .collect();
+                let mut out: Vec<RangeEvent> = held
+                    .iter()
+                    .map(|&(a, b)| ev(RangeChange::Deregister, a, b))
+                    .collect();
+                for &(a, b) in held.iter().rev() {
+                    if a < a0 {
+                        out.push(ev(RangeChange::Register, a, a0 - a));
+                    }
+                    if a + b > a1 {
+                        out.push(ev(RangeChange::Register, a1, a + b - a1));
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Apply what [`Registry::changes`] makes of `e`, then check the invariant: memory about to
+    /// be unmapped or freed is registered nowhere. Returns the changes.
     pub fn follow(&mut self, e: &SegmentEvent) -> Result<Vec<RangeEvent>, String> {
-        let out = translate(e);
+        let out = self.changes(e);
         for r in &out {
             self.apply(r)?;
         }
@@ -161,53 +165,59 @@ mod tests {
 
     const P: u64 = 2 << 20;
 
-    fn ev(change: SegmentChange, addr: u64, bytes: u64, run: (u64, u64)) -> SegmentEvent {
+    fn ev(change: SegmentChange, addr: u64, bytes: u64) -> SegmentEvent {
         SegmentEvent {
             change,
             addr,
             bytes,
             stream: Stream(0),
-            run,
             pool: (0, 0),
         }
     }
 
+    fn kinds(v: &[RangeEvent]) -> Vec<(RangeChange, u64, u64)> {
+        v.iter().map(|e| (e.change, e.addr, e.bytes)).collect()
+    }
+
     #[test]
-    fn maps_join_runs_and_unmaps_cut_them_with_the_old_run_deregistered_first() {
+    fn maps_register_apart_and_unmaps_deregister_first() {
+        use RangeChange::{Deregister, Register};
         let mut r = Registry::default();
-        // pages 0-1 mapped, then 4, then 2-3 (joining both), then 1-2 unmapped
-        r.follow(&ev(SegmentChange::Map, 0, 2 * P, (0, 2 * P)))
-            .unwrap();
-        r.follow(&ev(SegmentChange::Map, 4 * P, P, (4 * P, P)))
-            .unwrap();
-        let joined = r
-            .follow(&ev(SegmentChange::Map, 2 * P, 2 * P, (0, 5 * P)))
-            .unwrap();
-        let kinds: Vec<_> = joined.iter().map(|e| (e.change, e.addr, e.bytes)).collect();
+        // pages 0-1 mapped, then 4, then 2-3: each map registered on its own, nothing that is
+        // registered (and may be in use) is deregistered for it
+        r.follow(&ev(SegmentChange::Map, 0, 2 * P)).unwrap();
+        r.follow(&ev(SegmentChange::Map, 4 * P, P)).unwrap();
+        let between = r.follow(&ev(SegmentChange::Map, 2 * P, 2 * P)).unwrap();
+        assert_eq!(kinds(&between), [(Register, 2 * P, 2 * P)]);
+        // pages 1-2 unmapped: both ranges holding them deregistered first, what stays of them
+        // (page 0, page 3) registered again
+        let cut = r.follow(&ev(SegmentChange::Unmap, P, 2 * P)).unwrap();
         assert_eq!(
-            kinds,
+            kinds(&cut),
             [
-                (RangeChange::Deregister, 0, 2 * P),
-                (RangeChange::Deregister, 4 * P, P),
-                (RangeChange::Register, 0, 5 * P)
+                (Deregister, 2 * P, 2 * P),
+                (Deregister, 0, 2 * P),
+                (Register, 0, P),
+                (Register, 3 * P, P)
             ]
         );
-        let cut = r
-            .follow(&ev(SegmentChange::Unmap, P, 2 * P, (0, 5 * P)))
-            .unwrap();
-        assert_eq!(cut[0].change, RangeChange::Deregister);
-        assert_eq!(r.ranges().collect::<Vec<_>>(), [(0, P), (3 * P, 2 * P)]);
+        assert_eq!(
+            r.ranges().collect::<Vec<_>>(),
+            [(0, P), (3 * P, P), (4 * P, P)]
+        );
         // a classic segment comes and goes whole
-        r.follow(&ev(
-            SegmentChange::Alloc,
-            100 * P,
-            10 * P,
-            (100 * P, 10 * P),
-        ))
-        .unwrap();
-        r.follow(&ev(SegmentChange::Free, 100 * P, 10 * P, (100 * P, 10 * P)))
+        r.follow(&ev(SegmentChange::Alloc, 100 * P, 10 * P))
             .unwrap();
-        assert_eq!(r.ranges().count(), 2);
+        let gone = r.follow(&ev(SegmentChange::Free, 100 * P, 10 * P)).unwrap();
+        assert_eq!(kinds(&gone), [(Deregister, 100 * P, 10 * P)]);
+        assert_eq!(r.ranges().count(), 3);
+        // a run registered whole when the user started (a snapshot's) loses only what goes
+        let mut r = Registry::with([(0, 8 * P)]);
+        let cut = r.follow(&ev(SegmentChange::Unmap, 0, 2 * P)).unwrap();
+        assert_eq!(
+            kinds(&cut),
+            [(Deregister, 0, 8 * P), (Register, 2 * P, 6 * P)]
+        );
     }
 
     /// A pool that maps, moves, unmaps and releases memory at random, followed by a registry:
@@ -270,12 +280,8 @@ mod tests {
         assert!(r.apply(&reg(2 * P, P, RangeChange::Register)).is_err());
         assert!(r.apply(&reg(P, P, RangeChange::Deregister)).is_err());
         assert!(r.apply(&reg(0, P, RangeChange::Deregister)).is_err());
-        // an unmap told without its run's deregistration would leave memory registered
+        // a map over memory registered already (told twice) is refused
         let mut r = Registry::with([(0, 4 * P)]);
-        let lying = SegmentEvent {
-            run: (0, P),
-            ..ev(SegmentChange::Unmap, 0, P, (0, P))
-        };
-        assert!(r.follow(&lying).is_err());
+        assert!(r.follow(&ev(SegmentChange::Map, P, P)).is_err());
     }
 }

@@ -717,28 +717,6 @@ impl Pages {
         }
     }
 
-    /// The maximal run `[start, end)` of mapped pages around the mapped pages
-    /// `[first, first + n)`.
-    pub(super) fn run_around(&self, first: u64, n: u64) -> (u64, u64) {
-        let end = self.next_with(first + n, self.bits.len() as u64 * 64, false);
-        let mut p = first;
-        while p > 0 {
-            let w = ((p - 1) / 64) as usize;
-            let top = (p - 1) % 64;
-            let below = if top == 63 {
-                u64::MAX
-            } else {
-                (1u64 << (top + 1)) - 1
-            };
-            let unset = !self.bits[w] & below;
-            if unset != 0 {
-                return (w as u64 * 64 + u64::from(64 - unset.leading_zeros()), end);
-            }
-            p = w as u64 * 64;
-        }
-        (0, end)
-    }
-
     pub(super) fn freed_at(&self, p: u64) -> u64 {
         tick_at(&self.freed, p)
     }

@@ -181,9 +181,6 @@ pub struct SegmentEvent {
     pub bytes: u64,
     /// the segment's stream
     pub stream: Stream,
-    /// the range as a registering user sees it: the classic segment itself, or the maximal
-    /// run of mapped pages that holds the range (after a map; before an unmap)
-    pub run: (DevPtr, u64),
     /// the private pool the segment belongs to (PyTorch's `MempoolId_t`; (0, 0): the
     /// shared pool)
     pub pool: (u64, u64),
@@ -497,7 +494,6 @@ impl CachingPool {
                 addr,
                 bytes: size,
                 stream,
-                run: (addr, size),
                 pool: self.tag,
             });
         }
@@ -511,16 +507,11 @@ impl CachingPool {
         }
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let s = &self.segments[seg as usize];
-        let (f0, f1) = s
-            .pages
-            .as_ref()
-            .map_or((first, first + n), |p| p.run_around(first, n));
         self.shared.tell(&SegmentEvent {
             change,
             addr: s.addr + first * page,
             bytes: n * page,
             stream: s.stream,
-            run: (s.addr + f0 * page, (f1 - f0) * page),
             pool: self.tag,
         });
     }

@@ -751,9 +751,9 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   }
   // PyTorch's allocator trace trackers, through which ProcessGroupNCCL registers memory with
   // NCCL (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1): each range a registering user may
-  // hold (a classic segment, or a maximal run of mapped pages, as the snapshot lists them) is
-  // told as SEGMENT_ALLOC once it exists and as SEGMENT_FREE before any of its memory is
-  // unmapped or freed (see trackers.rs: PyTorch's NCCL hooks act on those two actions only)
+  // hold (a classic segment, or the pages one map made) is told as SEGMENT_ALLOC once it
+  // exists and as SEGMENT_FREE before any of its memory is unmapped or freed (see
+  // trackers.rs: PyTorch's NCCL hooks act on those two actions only)
   void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
     {
       std::lock_guard<std::mutex> l(trackers_mu());
