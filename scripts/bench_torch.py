@@ -587,12 +587,17 @@ def probe(job, setting, batch, steps, cap):
     except torch.OutOfMemoryError as e:
         out["ok"] = False
         out["oom"] = str(e).split("\n")[0][:300]
+        out["oom_message"] = str(e)[:1500]
+    # where the device's memory is: free now, and what the allocator holds
+    free, total = torch.cuda.mem_get_info()
+    out["device_free_at_end"] = free
     out["steps"] = len(times)
     if len(times) > 3:
         out["step_ms"] = statistics.median(times[3:])
     stats = (gpumem_torch if setting.startswith("gpumem") else torch.cuda).memory_stats()
     for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_pressure_moves",
-              "num_move_stops", "page_map_ns", "num_ooms"):
+              "num_move_stops", "page_map_ns", "num_ooms", "reserved_bytes.all.current",
+              "allocated_bytes.all.current", "vmm_spare_bytes", "plan_reserved_bytes"):
         if k in stats:
             out[k] = stats[k]
     print("PROBE " + json.dumps(out), flush=True)

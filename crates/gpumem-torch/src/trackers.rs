@@ -7,9 +7,10 @@
 //! The changes are those of [`gpumem::adaptor::registration`]: classic segments whole, and the
 //! pages of expandable segments as each map makes them (never joined to registered neighbours,
 //! which may be in use), each range deregistered before any of its memory is unmapped or freed
-//! (what stays of it registered again). PyTorch's NCCL hooks act on `SEGMENT_ALLOC` and `SEGMENT_FREE` only, so
-//! mapped runs are told with those actions too (pages told as `SEGMENT_MAP` would never be
-//! registered, nor deregistered before an unmap, as with PyTorch's own expandable segments).
+//! (what stays of it registered again). PyTorch's NCCL hooks act on `SEGMENT_ALLOC` and
+//! `SEGMENT_FREE` only, so mapped pages are told with those actions too (pages told as
+//! `SEGMENT_MAP` would never be registered, nor deregistered before an unmap, as with
+//! PyTorch's own expandable segments).
 //!
 //! Every change is also checked against the ranges told so far ([`Registry`]); a change that
 //! breaks the rule (memory going while registered) is counted in `gpumem.tracker_violations`,

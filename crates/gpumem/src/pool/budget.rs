@@ -23,12 +23,12 @@
 //!
 //! Over the first T ns, moves and growth together take at most `SHARE * T` plus the longest
 //! move (one allocation's pages: about what growing by as much would have cost), and over any
-//! later interval at most [`CAP_NS`] more, unless growth alone takes more: memory the job has never had is mapped
-//! whatever it costs (any allocator pays for it), and then nothing moves. Moves made because
-//! growing would pass the memory budget are not charged: then fitting is the job
-//! (`num_pressure_moves` counts them, and their time is in `page_map_ns`).
+//! later interval at most [`CAP_NS`] more, unless growth alone takes more: memory the job has
+//! never had is mapped whatever it costs (any allocator pays for it), and then nothing moves.
+//! Moves made because growing would pass the memory budget are not charged: then fitting is
+//! the job (`num_pressure_moves` counts them, and their time is in `page_map_ns`).
 
-/// Share of wall time page moves may take.
+/// Share of wall time page work on the allocating thread (growth and moves) may take.
 pub const SHARE: f64 = 0.01;
 /// The most credit that can accrue: [`SHARE`] of one second.
 pub const CAP_NS: f64 = SHARE * 1e9;
@@ -39,11 +39,11 @@ pub const GROWING_NS: u64 = 1_000_000_000;
 #[derive(Debug, Clone)]
 pub(super) struct MoveBudget {
     /// ns of moves still allowed (negative: overdrawn)
-    pub(super) credit: f64,
+    credit: f64,
     /// clock reading of the last accrual
     last: Option<u64>,
     /// a move overdrew the credit
-    pub(super) stopped: bool,
+    stopped: bool,
     /// the highest peak of allocated bytes seen, and the clock reading when it last grew
     peak: u64,
     grew_at: u64,

@@ -215,9 +215,6 @@ impl CachingPool {
         // the pool grows, as PyTorch's expandable segments do
         let pressure = over > 0 && self.over_limit(need);
         let budgeted = over > 0 && !pressure && self.budget.may_move(started, peak);
-        if over > 0 && std::env::var("X_DBG").is_ok() {
-            eprintln!("OVER t={}ms need={}MiB over={}MiB credit={:.2}ms budgeted={budgeted} stopped={} res={}", started/1000000, need>>20, over>>20, self.budget.credit/1e6, self.budget.stopped, reserved>>20);
-        }
         let mut moved = false;
         if pressure || budgeted {
             moved = true;

@@ -50,9 +50,10 @@ pub const SPARE_DIVISOR: usize = 200;
 
 /// Pages a created handle spans at most (a longer run is cut into handles this long from its
 /// first page, not on a fixed grid: a run crossing a grid line would cost a second handle,
-/// and its calls, for nothing): 32 pages of 2 MiB are 64 MiB (PyTorch's expandable segments use 20 MiB handles for
-/// large blocks). Chosen on the replays of the real traces and the workload families (8, 16,
-/// 32, 64 compared: 32 gave the lowest ratios with the fewest calls but for 64's).
+/// and its calls, for nothing): 32 pages of 2 MiB are 64 MiB (PyTorch's expandable segments
+/// use 20 MiB handles for large blocks). Chosen on the replays of the real traces and the
+/// workload families (8, 16, 32, 64 compared, when runs were still cut on a grid: 32 gave the
+/// lowest ratios with the fewest calls but for 64's).
 pub const MAX_SPAN: u64 = 32;
 
 /// Maps in a row that found another handle lingering at an address before its own lingering
@@ -457,8 +458,8 @@ impl PageMap {
     /// Plan mapping `[addr, addr + bytes)` (whole pages, none live) for work on `stream`:
     /// mappings lingering wholly inside it whose handle this stream may take are live again at
     /// once; the rest get handles kept for the stream or spares where they fit, or new ones,
-    /// one per run (cut every [`MAX_SPAN`] pages from its start), after unmapping whatever lingers
-    /// there. The caller makes the calls, then [`PageMap::commit`]s (or
+    /// one per run (cut every [`MAX_SPAN`] pages from its start), after unmapping whatever
+    /// lingers there. The caller makes the calls, then [`PageMap::commit`]s (or
     /// [`PageMap::abandon`]s) the plan.
     pub fn plan_map(&mut self, addr: DevPtr, bytes: u64, stream: Option<u64>) -> Result<MapPlan> {
         if let Some(p) = self.pages(addr, bytes).find(|p| self.live.contains_key(p)) {
