@@ -1080,7 +1080,10 @@ impl CachingPool {
             }
         }
         let _ = self.vmm().map(|v| v.finish_move(stream));
-        self.stats.page_map_ns += self.vmm()?.now_ns().saturating_sub(started);
+        let took = self.vmm()?.now_ns().saturating_sub(started);
+        self.stats.page_map_ns += took;
+        // the region's pages once, charged as growth is (see `budget.rs`)
+        self.budget.charge_growth(started + took, took);
         result
     }
 
