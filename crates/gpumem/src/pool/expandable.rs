@@ -251,6 +251,11 @@ impl CachingPool {
                 Ok(()) => self.note_mapped(seg, first, n, true),
                 Err(e) => {
                     result = Err(if e.is_out_of_memory() {
+                        // the handles the failed map made go back to the device first, so
+                        // that the report (and whoever allocates next) sees its memory
+                        if let Ok(v) = self.vmm() {
+                            v.trim();
+                        }
                         self.oom_error(size, need)
                     } else {
                         e

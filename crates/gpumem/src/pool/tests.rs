@@ -489,6 +489,22 @@ fn expandable_out_of_memory_moves_pages_then_reports() {
     free(&mut p, keep);
 }
 
+/// A map that runs out of device memory part of the way (its first handle made, the next
+/// refused) gives what it made back to the device before the error is reported: the report's
+/// free memory is the device's, and nothing the failed request made is held.
+#[test]
+fn expandable_out_of_memory_gives_a_failed_maps_handles_back() {
+    let (mut p, dev) = vmm_pool(200 * MIB);
+    let keep = alloc(&mut p, A, 120 * MIB);
+    // 100 MiB: a handle of 32 pages (64 MiB) fits in the 80 MiB left, the next 18 do not
+    let err = p.allocate(A, (100 * MIB) as usize, 512).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(dev.mem_info_free(), 80 * MIB, "{err}");
+    assert!(err.to_string().contains("80.00 MiB free"), "{err}");
+    p.check_invariants().unwrap();
+    free(&mut p, keep);
+}
+
 #[test]
 fn expandable_never_unmaps_pages_of_pending_blocks() {
     let (mut p, dev) = vmm_pool(1 << 40);

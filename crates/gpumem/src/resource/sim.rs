@@ -536,8 +536,24 @@ impl SimulatedDevice {
         let new_pages = plan.created_pages();
         let room = self.capacity.saturating_sub(s.used + s.external) / s.pages.page();
         if new_pages > room {
-            // what a CUDA engine would have mapped before cuMemCreate failed is unmapped again
-            s.pages.abandon(plan, &[]);
+            // as a CUDA engine does: the handles that fit are made, in order, until one does
+            // not; what was mapped is unmapped again and the handles made stay (spare)
+            let (mut made, mut left) = (Vec::new(), room);
+            for f in plan.fresh.iter().filter(|f| f.2.is_none()) {
+                if f.1 > left {
+                    break;
+                }
+                left -= f.1;
+                s.next_handle += 1;
+                made.push((s.next_handle, f.1));
+            }
+            let pages: u64 = made.iter().map(|m| m.1).sum();
+            s.driver.creates += made.len() as u64;
+            s.driver.foreground += made.len() as u64;
+            s.handles += made.len() as u64;
+            s.used += pages * s.pages.page();
+            let ids: Vec<u64> = made.iter().map(|m| m.0).collect();
+            s.pages.abandon(plan, &ids);
             return Err(Error::ResourceExhausted {
                 resource: "simulated".into(),
                 bytes,
