@@ -112,7 +112,7 @@ fn install(device: usize, a: &CachingAllocator) {
             return;
         };
         let changes = reg.changes(e);
-        if let Err(why) = reg.follow(e) {
+        if let Err(why) = reg.apply_all(e, &changes) {
             TRACKERS.violations.fetch_add(1, Ordering::Relaxed);
             log_once("tracker", || format!("gpumem: segment tracker: {why}"));
             debug_assert!(false, "segment tracker: {why}");

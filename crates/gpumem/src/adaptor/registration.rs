@@ -144,7 +144,15 @@ impl Registry {
     /// be unmapped or freed is registered nowhere. Returns the changes.
     pub fn follow(&mut self, e: &SegmentEvent) -> Result<Vec<RangeEvent>, String> {
         let out = self.changes(e);
-        for r in &out {
+        self.apply_all(e, &out)?;
+        Ok(out)
+    }
+
+    /// Apply `changes` (what [`Registry::changes`] made of `e`), then check the invariant, as
+    /// [`Registry::follow`] does: for a user that hands the changes on even where one breaks
+    /// the rule.
+    pub fn apply_all(&mut self, e: &SegmentEvent, changes: &[RangeEvent]) -> Result<(), String> {
+        for r in changes {
             self.apply(r)?;
         }
         if matches!(e.change, SegmentChange::Unmap | SegmentChange::Free) {
@@ -155,7 +163,7 @@ impl Registry {
                 ));
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -80,6 +80,14 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
     place_pinned(lives, period, fixed, &[])
 }
 
+/// The (order, best gap) pairs [`place`] tries, in the order it keeps the first smallest:
+/// every greedy order with first and best gap, then the shuffled ones with first gap.
+fn tries() -> impl Iterator<Item = (usize, bool)> {
+    (0..ORDERS)
+        .flat_map(|k| [(k, false), (k, true)])
+        .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)))
+}
+
 /// [`place`] with `pinned` blocks (index, offset) where they are.
 fn place_pinned(
     lives: &[Life],
@@ -90,10 +98,7 @@ fn place_pinned(
     let attempt = |k: usize, fit: bool| {
         place_around(lives, period, &order(lives, period, k), fit, fixed, pinned)
     };
-    let tries: Vec<(usize, bool)> = (0..ORDERS)
-        .flat_map(|k| [(k, false), (k, true)])
-        .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)))
-        .collect();
+    let tries: Vec<(usize, bool)> = tries().collect();
     // each attempt is quadratic in the blocks: a step of a few thousand blocks tries them
     // side by side (on threads of their own; one by one where threads cannot be had), so
     // that the plan serves a step sooner
@@ -1314,10 +1319,7 @@ mod tests {
         assert!(lives.len() >= PARALLEL_LIVES);
         let (off, total) = place(&lives, period, &[]);
         let mut best: Option<(Vec<u64>, u64)> = None;
-        let tries = (0..ORDERS)
-            .flat_map(|k| [(k, false), (k, true)])
-            .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)));
-        for (k, fit) in tries {
+        for (k, fit) in tries() {
             let r = place_around(&lives, period, &order(&lives, period, k), fit, &[], &[]);
             if best.as_ref().is_none_or(|b| r.1 < b.1) {
                 best = Some(r);
