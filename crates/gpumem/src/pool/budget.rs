@@ -3,30 +3,41 @@
 //! Moving a page (unmapping free memory in one place to map it where a block needs it, instead
 //! of growing) keeps reserved memory down, but its driver calls run on the allocating thread
 //! (about 45 µs a page on an H100 while kernels run) and a job whose layout drifts from step to
-//! step pays them on every step. So moves are paid from a budget of [`SHARE`] of wall time,
-//! by construction:
+//! step pays them on every step. So moves are paid from a budget, by construction:
 //!
 //! - credit accrues at [`SHARE`] of the time that passes on the backend's clock (wall time on a
 //!   GPU; a replay's clock is the trace's time plus its modelled calls), from nothing, up to
 //!   [`CAP_NS`];
-//! - every page call the allocating thread makes is charged, growth included: moves spend only
-//!   what growing left of the budget (a job's first step, which maps everything it uses, leaves
-//!   nothing, so its memory is mapped where it is first needed and nothing moves);
-//! - a move is made only while there is credit, and its measured duration is charged;
-//! - a move that overdraws the credit stops moves: from then on the pool maps and keeps (as
-//!   PyTorch's expandable segments do), except while the job's demand changes (for
+//! - every page call the allocating thread makes is charged, growth included: moves spend what
+//!   growing left of the budget;
+//! - a move is made while there is credit; with none, it may still be paid from growth's
+//!   account, for an allocation that raises no peak of allocated bytes (a demand the job has
+//!   met before), as long as moves paid that way took less time than growth past the
+//!   high-water mark of reserved bytes did (a move costs about what growing by as much does:
+//!   unmapping a handle costs what creating one does). On a GPU a job's first steps map
+//!   everything it uses, and that can take more than the credit accrued meanwhile (gptfix's
+//!   first step: ~18 ms of page work in 1.7 s); without this, where its blocks first landed
+//!   would fix the job's high-water mark. Only growth that raises the mark fills the account,
+//!   so it holds at most what mapping the job's peak once took: growth a move causes below
+//!   the mark refills nothing, and the moves end;
+//! - a move's measured duration is charged to the account that paid it; a credit-paid move
+//!   that overdraws the credit stops credit-paid moves: from then on the pool maps and keeps
+//!   (as PyTorch's expandable segments do), except while the job's demand changes (for
 //!   [`GROWING_NS`] after its peak of allocated bytes last grew, as the credit allows), until
-//!   the cache is emptied. A job that repeats stops its moves once and for all, so the pool
-//!   does not swing between the two and its steps make no driver call; a job that keeps
-//!   growing (a KV cache) moves as the credit allows; one whose moves are cheap (they never
-//!   overdraw) goes on moving within the budget.
+//!   the cache is emptied. A job that repeats stops its moves once and for all (it grows no
+//!   more, so growth's account fills no more), and the pool does not swing between the two
+//!   and its steps make no driver call; a job that keeps growing (a KV cache) moves as the
+//!   credit allows; one whose moves are cheap (they never overdraw) goes on moving within the
+//!   budget.
 //!
-//! Over the first T ns, moves and growth together take at most `SHARE * T` plus the longest
-//! move (one allocation's pages: about what growing by as much would have cost), and over any
-//! later interval at most [`CAP_NS`] more, unless growth alone takes more: memory the job has
-//! never had is mapped whatever it costs (any allocator pays for it), and then nothing moves.
-//! Moves made because growing would pass the memory budget are not charged: then fitting is
-//! the job (`num_pressure_moves` counts them, and their time is in `page_map_ns`).
+//! Over the first T ns, credit-paid moves take at most what growth left of `SHARE * T`, and
+//! growth-paid moves at most what growth past the high-water mark took, each plus one move:
+//! moves take at most the larger of `SHARE * T` and that growth's time, plus two moves (one
+//! allocation's pages each), and
+//! over any later interval in which the job does not grow at most [`CAP_NS`] more. Growth is
+//! on top: memory the job has never had is mapped whatever it costs (any allocator pays for
+//! it). Moves made because growing would pass the memory budget are not charged: then fitting
+//! is the job (`num_pressure_moves` counts them, and their time is in `page_map_ns`).
 
 /// Share of wall time page work on the allocating thread (growth and moves) may take.
 pub const SHARE: f64 = 0.01;
@@ -51,6 +62,11 @@ pub(super) struct MoveBudget {
     pub(super) spent_ns: u64,
     /// the longest single move charged, ns
     pub(super) longest_ns: u64,
+    /// ns growth past the high-water mark of reserved bytes took so far: growth's account
+    pub(super) growth_ns: u64,
+    /// ns of moves paid from it, and whether the move last allowed is
+    growth_spent_ns: u64,
+    from_growth: bool,
     /// times moves stopped
     pub(super) stops: u64,
 }
@@ -65,6 +81,9 @@ impl Default for MoveBudget {
             grew_at: 0,
             spent_ns: 0,
             longest_ns: 0,
+            growth_ns: 0,
+            growth_spent_ns: 0,
+            from_growth: false,
             stops: 0,
         }
     }
@@ -75,29 +94,41 @@ impl MoveBudget {
     /// allocated bytes).
     pub(super) fn may_move(&mut self, now: u64, peak: u64) -> bool {
         self.accrue(now);
-        if peak > self.peak {
+        let raised = peak > self.peak;
+        if raised {
             self.peak = peak;
             self.grew_at = now;
         }
-        if self.stopped && !self.growing(now) {
-            return false; // stopped, and the demand has not changed lately
-        }
-        self.credit > 0.0
+        // credit-paid moves, unless stopped while the demand has not changed lately
+        let credit = (!self.stopped || self.growing(now)) && self.credit > 0.0;
+        // else paid from growth's account, for a demand the job has met before
+        self.from_growth = !credit && !raised && self.growth_spent_ns < self.growth_ns;
+        credit || self.from_growth
     }
 
-    /// Charge a move that took `ns`; an overdraft stops moves.
+    /// Charge a move that took `ns` to the account that paid it; a credit-paid move that
+    /// overdraws the credit stops credit-paid moves.
     pub(super) fn charge(&mut self, ns: u64) {
-        self.credit -= ns as f64;
         self.spent_ns += ns;
         self.longest_ns = self.longest_ns.max(ns);
+        if self.from_growth {
+            self.growth_spent_ns += ns;
+            return;
+        }
+        self.credit -= ns as f64;
         if self.credit <= 0.0 && !self.stopped {
             self.stopped = true;
             self.stops += 1;
         }
     }
 
-    /// Charge growth that took `ns`, ending at `now`: it leaves less for moves, and stops none.
-    pub(super) fn charge_growth(&mut self, now: u64, ns: u64) {
+    /// Charge growth that took `ns`, ending at `now`: it leaves less credit for moves, and
+    /// stops none; growth that raised the high-water mark of reserved bytes (`new_high`) fills
+    /// growth's account.
+    pub(super) fn charge_growth(&mut self, now: u64, ns: u64, new_high: bool) {
+        if new_high {
+            self.growth_ns += ns;
+        }
         self.accrue(now);
         self.credit -= ns as f64;
     }
@@ -137,7 +168,7 @@ mod tests {
         let mut b = MoveBudget::default();
         assert!(!b.may_move(0, 100), "no credit before time passes");
         // growth is charged and stops nothing: a second later, what is left of the credit
-        b.charge_growth(0, 4_000_000);
+        b.charge_growth(0, 4_000_000, true);
         assert!(b.may_move(sec, 100) && !b.stopped());
         assert!(b.credit <= CAP_NS - 4_000_000.0 + 1.0);
         let t = 2 * sec;
@@ -146,6 +177,9 @@ mod tests {
         assert!(b.may_move(t, 100) && !b.stopped());
         b.charge(CAP_NS as u64);
         assert!(b.stopped());
+        // growth's account: moves as long as growth took (4 ms), whatever the credit
+        assert!(b.may_move(t + sec / 4, 100) && b.from_growth);
+        b.charge(4_000_000);
         // (still within a second of the peak's growth: moves as the credit allows)
         assert!(!b.may_move(t + sec / 2, 100));
         // credit comes back with time, moves do not while the peak stays
@@ -162,6 +196,38 @@ mod tests {
         assert!(!b.may_move(t + 30 * sec, 200));
         assert!(b.may_move(t + 30 * sec + 2 * (CAP_NS / SHARE) as u64, 201));
         assert_eq!(b.stops, 1);
+    }
+
+    #[test]
+    fn moves_may_take_as_long_as_growth_did_where_they_raise_no_peak() {
+        let ms = 1_000_000u64;
+        let mut b = MoveBudget::default();
+        // a first step whose growth took more than the credit that accrued meanwhile
+        b.charge_growth(0, 20 * ms, true);
+        b.charge_growth(ms, 0, true);
+        assert!(b.credit < 0.0);
+        // an allocation that raises the peak of allocated bytes: no move without credit
+        assert!(!b.may_move(ms, 100));
+        // the next step, below that peak: moves as long as they took less than growth did,
+        // paid from growth's account (the credit and its stops are left alone)
+        let mut t = 100 * ms;
+        let mut moved = 0;
+        while b.may_move(t, 100) {
+            b.charge(3 * ms);
+            moved += 3 * ms;
+            t += ms;
+        }
+        assert_eq!(moved, 21 * ms, "growth's 20 ms, overshot by one move");
+        // growth below the high-water mark (which a move may cause) refills nothing
+        b.charge_growth(t, 10 * ms, false);
+        assert!(!b.may_move(t, 100));
+        assert!(!b.stopped() && b.credit < 0.0);
+        // then only as the credit allows
+        assert!(!b.may_move(t + 100 * ms, 100));
+        let later = t + 20_000 * ms;
+        assert!(b.may_move(later, 100) && !b.from_growth);
+        b.charge(CAP_NS as u64 + ms);
+        assert!(b.stopped() && !b.may_move(later + 100_000 * ms, 100));
     }
 
     #[test]

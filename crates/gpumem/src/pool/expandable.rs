@@ -210,6 +210,7 @@ impl CachingPool {
             .saturating_add(need)
             .saturating_sub(self.allowance(peak));
         let started = self.vmm()?.now_ns();
+        let high_water = self.high_water;
         // beyond the allowance, pages move: where growing would pass the memory budget
         // (whatever the time costs), or within the time budget (see `budget.rs`); otherwise
         // the pool grows, as PyTorch's expandable segments do
@@ -274,7 +275,8 @@ impl CachingPool {
         if budgeted {
             self.budget.charge(took);
         } else if !moved {
-            self.budget.charge_growth(started + took, took);
+            let new_high = self.high_water > high_water;
+            self.budget.charge_growth(started + took, took, new_high);
         }
         result
     }

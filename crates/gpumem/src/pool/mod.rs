@@ -468,6 +468,7 @@ impl CachingPool {
         let mut s = self.stats.snapshot();
         s.page_move_ns = self.budget.spent_ns;
         s.page_move_longest_ns = self.budget.longest_ns;
+        s.page_growth_ns = self.budget.growth_ns;
         s.num_move_stops = self.budget.stops;
         if self.plans.busy() {
             s.plan_reserved_bytes = self.planned_bytes();

@@ -1088,7 +1088,7 @@ impl CachingPool {
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
         // the region's pages once, charged as growth is (see `budget.rs`)
-        self.budget.charge_growth(started + took, took);
+        self.budget.charge_growth(started + took, took, false);
         result
     }
 

@@ -52,6 +52,9 @@ pub struct PolicyReport {
     pub move_us: f64,
     /// the longest single move of those, µs
     pub move_longest_us: f64,
+    /// time the allocating thread spent growing past the high-water mark of reserved bytes;
+    /// moves may take as long as that beyond 1% of wall time (`pool/budget.rs`), µs
+    pub growth_us: f64,
     /// the page engine's calls by kind (expandable segments; `None` otherwise)
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vmm_calls: Option<VmmCalls>,
@@ -129,6 +132,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         critical_path_us: 0.0,
         move_us: 0.0,
         move_longest_us: 0.0,
+        growth_us: 0.0,
         background_us: 0.0,
         vmm_calls: None,
         critical_path_share: None,
@@ -340,6 +344,7 @@ fn replay_passes(
             critical_path_us: fg_us,
             move_us: stats.page_move_ns as f64 / 1e3,
             move_longest_us: stats.page_move_longest_ns as f64 / 1e3,
+            growth_us: stats.page_growth_ns as f64 / 1e3,
             background_us: bg_us,
             critical_path_share: wall_us(events).map(|w| fg_us / w),
             vmm_calls: vmm,
