@@ -387,6 +387,8 @@ struct MoveUnderKernel {
 /// then 100 MiB, which do not fit in its hole, are allocated on `sb` (`sa` itself, or another
 /// stream) and filled there. Asserts what both cases share: the block's memory backs the new
 /// one (moved, not waited for), the kernel read the old data and the new block holds its own.
+/// A 200 MiB memory budget makes the pages move (growing by 100 MiB would pass it): a job
+/// this young has no time budget for moves yet (`pool/budget.rs`), and would grow instead.
 fn pages_move_under_a_running_kernel(
     g: &Gpu,
     sa: &Arc<CudaStream>,
@@ -395,7 +397,7 @@ fn pages_move_under_a_running_kernel(
     let (a_s, b_s) = (Stream::from(&**sa), Stream::from(&**sb));
     let a = Device::cuda(
         0,
-        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
+        Config::parse("shards:1,quick_cache:0,expandable_slack:0,memory_limit_mb:200").unwrap(),
     )
     .unwrap();
     let n = 64 * MIB / 4;
@@ -419,6 +421,7 @@ fn pages_move_under_a_running_kernel(
     let (stats, after) = (a.stats(), vmm.calls());
     assert!(stats.unmapped_bytes >= 60 * MIB as u64, "{stats:?}");
     assert_eq!(stats.num_unmap_syncs, 0, "the allocation did not wait");
+    assert!(stats.num_pressure_moves >= 1, "{stats:?}");
     // (mappings made with kept handles: x's 32 pages are one or two handles)
     assert!(
         after.aliased - before.aliased >= 1,

@@ -9,6 +9,7 @@ use gpumem::{Allocation, CachingAllocator, Config, Device, Stream};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::alloc::Layout;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -25,7 +26,15 @@ pub struct Row {
     /// driver calls gpumem made during the timed part (segments, or pages mapped and
     /// unmapped); 0 for the other allocators, whose every op is a call
     pub device_calls: u64,
+    /// passes over the random workload before the timed part (see [`MAX_WARM_PASSES`]); 0
+    /// where there is none
+    pub warm_passes: usize,
 }
+
+/// Warm-up of the random scenarios: passes over the workload (65,536 ops each, the whole
+/// period of its sizes) until one makes no driver call (the pool has settled: what it maps,
+/// it keeps), at most this many.
+pub const MAX_WARM_PASSES: usize = 20;
 
 /// What a benchmark needs from an allocator: one alloc and one free.
 pub trait Api: Sync {
@@ -174,6 +183,7 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         mean_ns_per_op: mean(&per),
         ns_per_op: median(per),
         device_calls: api.device_calls() - calls,
+        warm_passes: 0,
     }
 }
 
@@ -208,13 +218,31 @@ fn warm_set<A: Api>(api: &A, w: &RandomLive) -> Vec<A::Handle> {
     (0..w.live).map(|i| api.alloc(w.sizes[i])).collect()
 }
 
+/// Warm-up passes over `w` until one makes no driver call (at most [`MAX_WARM_PASSES`]);
+/// returns how many ran.
+fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &ProgressBar) -> usize {
+    let n = api.budget(w.sizes.len());
+    for pass in 1..=MAX_WARM_PASSES {
+        if pass > 1 {
+            pb.inc_length(n as u64);
+        }
+        let calls = api.device_calls();
+        random_steps(api, w, live, n, pb);
+        if api.device_calls() == calls {
+            return pass;
+        }
+    }
+    MAX_WARM_PASSES
+}
+
 /// `random_256_live`: 256 live blocks of 256 B – 64 MiB; free one, allocate another.
-/// A warm-up pass first (so the cached pool is filled), then median ns per op over batches.
+/// Warm-up passes first (until the pool has settled: see [`MAX_WARM_PASSES`]), then median ns
+/// per op over batches.
 pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
     let ops = api.budget(ops);
     let w = RandomLive::standard(1, 1 << 16);
     let mut live = warm_set(api, &w);
-    random_steps(api, &w, &mut live, api.budget(w.sizes.len()), pb);
+    let warm = warm_passes(api, &w, &mut live, pb);
     let calls = api.device_calls();
     let per = random_steps(api, &w, &mut live, ops, pb);
     let calls = api.device_calls() - calls;
@@ -228,23 +256,32 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
         mean_ns_per_op: mean(&per),
         ns_per_op: median(per),
         device_calls: calls,
+        warm_passes: warm,
     }
 }
 
 /// `random_256_live_N_threads`: the same on N threads at once, each with its own live set;
 /// ns per op = wall time / all ops of all threads (so 8 threads that never wait show 1/8 of
-/// the single-thread figure).
+/// the single-thread figure). Warm-up passes run on all threads at once, until one makes no
+/// driver call (see [`MAX_WARM_PASSES`]).
 pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &ProgressBar) -> Row {
     let ops = api.budget(ops);
     let barrier = Barrier::new(threads + 1);
+    let warming = AtomicBool::new(true);
     let wall = std::thread::scope(|s| {
         for t in 0..threads {
-            let barrier = &barrier;
+            let (barrier, warming) = (&barrier, &warming);
             s.spawn(move || {
                 let w = RandomLive::standard(100 + t as u64, 1 << 16);
                 let mut live = warm_set(api, &w);
-                random_steps(api, &w, &mut live, api.budget(w.sizes.len()), pb);
+                // warm-up passes, as long as the main thread says so after each
                 barrier.wait();
+                while warming.load(Ordering::Acquire) {
+                    random_steps(api, &w, &mut live, api.budget(w.sizes.len()), pb);
+                    barrier.wait(); // the pass is done
+                    barrier.wait(); // the verdict is out
+                }
+                barrier.wait(); // the timed part starts
                 random_steps(api, &w, &mut live, ops, pb);
                 barrier.wait();
                 for h in live {
@@ -252,13 +289,32 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
                 }
             });
         }
-        barrier.wait();
+        // driver calls are read while every thread waits at a barrier
+        let (mut warm, mut calls) = (0, api.device_calls());
+        barrier.wait(); // the live sets are allocated
+        loop {
+            warm += 1;
+            barrier.wait(); // the threads' pass is done
+            let now = api.device_calls();
+            let done = now == calls || warm == MAX_WARM_PASSES;
+            calls = now;
+            if done {
+                warming.store(false, Ordering::Release);
+            } else {
+                pb.inc_length((api.budget(1 << 16) * threads) as u64);
+            }
+            barrier.wait(); // the verdict is out
+            if done {
+                break;
+            }
+        }
+        barrier.wait(); // the timed part starts
         let t = Instant::now();
         let calls = api.device_calls();
         barrier.wait();
-        (t.elapsed(), api.device_calls() - calls)
+        (t.elapsed(), api.device_calls() - calls, warm)
     });
-    let (wall, calls) = wall;
+    let (wall, calls, warm) = wall;
     let per_op = wall.as_nanos() as f64 / (ops * threads) as f64;
     Row {
         allocator: api.name(),
@@ -267,6 +323,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         ns_per_op: per_op,
         mean_ns_per_op: per_op,
         device_calls: calls,
+        warm_passes: warm,
     }
 }
 
@@ -332,15 +389,22 @@ fn print(out: &BenchOut) {
     let (device, rows) = (&out.device, &out.rows);
     println!("allocation latency on {device} (one op = one alloc + one free)");
     println!(
-        "{:<18} {:<32} {:>7} {:>14} {:>12}",
-        "allocator", "scenario", "threads", "median ns/op", "mean ns/op"
+        "{:<18} {:<32} {:>7} {:>14} {:>12} {:>12} {:>6}",
+        "allocator", "scenario", "threads", "median ns/op", "mean ns/op", "timed calls", "warm"
     );
     for r in rows {
         println!(
-            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1}",
-            r.allocator, r.scenario, r.threads, r.ns_per_op, r.mean_ns_per_op
+            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1} {:>12} {:>6}",
+            r.allocator,
+            r.scenario,
+            r.threads,
+            r.ns_per_op,
+            r.mean_ns_per_op,
+            r.device_calls,
+            r.warm_passes
         );
     }
+    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of 65,536 ops, until one made no driver call, at most {MAX_WARM_PASSES})");
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

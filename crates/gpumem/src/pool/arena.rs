@@ -1,5 +1,6 @@
 //! The block/segment arena: slots, links, free sets, split and coalesce.
 
+use super::expandable::{page_count, page_index};
 use super::*;
 
 impl CachingPool {
@@ -151,8 +152,8 @@ impl CachingPool {
             let base = s.addr;
             if let Some(p) = s.pages.as_mut() {
                 p.mark_freed(
-                    (addr - base) / page,
-                    (addr + size - base).div_ceil(page),
+                    page_index(addr - base, page),
+                    page_count(addr + size - base, page),
                     tick,
                 );
             }
@@ -185,7 +186,7 @@ impl CachingPool {
                 let b = &self.blocks[id as usize];
                 let base = self.segments[seg as usize].addr;
                 let whole = b.kind == PoolKind::Large
-                    || (b.addr - base).div_ceil(page) < (b.addr + b.size - base) / page;
+                    || page_count(b.addr - base, page) < page_index(b.addr + b.size - base, page);
                 self.checkpoint_on_free(stream, whole, false);
             }
         }

@@ -8,6 +8,20 @@ use super::*;
 /// lagging GPU (1, 2, 4, 8 and 16 compared).
 const MIN_ORDERED_RUN: u64 = 4;
 
+/// `x / page` for the pool's page size, a power of two (`CachingPool::new` takes no other):
+/// a shift, not a division, on the hot path.
+#[inline]
+pub(super) fn page_index(x: u64, page: u64) -> u64 {
+    debug_assert!(page.is_power_of_two());
+    x >> page.trailing_zeros()
+}
+
+/// `x.div_ceil(page)` for the pool's page size (see [`page_index`]).
+#[inline]
+pub(super) fn page_count(x: u64, page: u64) -> u64 {
+    page_index(x + (page - 1), page)
+}
+
 impl CachingPool {
     /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
     /// new segment) and map whatever pages of it are not mapped yet.
@@ -116,7 +130,7 @@ impl CachingPool {
         let s = &self.segments[b.segment as usize];
         let pages = s.pages.as_deref()?;
         let lo = b.addr + from - s.addr;
-        Some((pages, lo / page, (lo + size).div_ceil(page)))
+        Some((pages, page_index(lo, page), page_count(lo + size, page)))
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.
@@ -134,18 +148,14 @@ impl CachingPool {
     /// bytes are all mapped; taken out of the free set.
     fn mapped_fit(&mut self, stream: Stream, size: u64, kind: PoolKind) -> Option<u32> {
         let slot = self.slot_of(stream)?;
-        let candidates: Vec<(u64, u32)> = self.free[slot][kind as usize]
+        let (_, _, id) = self.free[slot][kind as usize]
             .at_least(size)
             .take(32)
-            .map(|(bsize, _, id)| (bsize, id))
-            .collect();
-        for (bsize, id) in candidates {
-            if bsize >= size && self.fits(size, bsize) && self.mapped_under(id, size) {
-                self.leave_free(id);
-                return Some(id);
-            }
-        }
-        None
+            .find(|&(bsize, _, id)| {
+                bsize >= size && self.fits(size, bsize) && self.mapped_under(id, size)
+            })?;
+        self.leave_free(id);
+        Some(id)
     }
 
     /// Address space reserved for one expandable segment.

@@ -391,10 +391,12 @@ impl CachingPool {
             .limit()
             .or_else(|| backend.mem_info().ok().map(|m| m.total))
             .unwrap_or(u64::MAX);
+        // expandable segments take a page size that is a power of two (the driver's
+        // granularity is), else the pool keeps classic segments
         let page = backend
             .virtual_memory()
             .map(|v| v.page_size())
-            .filter(|&p| config.pool.expandable_segments && p > 0 && p % MIN_BLOCK == 0);
+            .filter(|&p| config.pool.expandable_segments && p >= MIN_BLOCK && p.is_power_of_two());
         Self {
             backend,
             tag: (0, 0),
