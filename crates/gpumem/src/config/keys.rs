@@ -225,7 +225,7 @@ pub const KEYS: &[Key] = &[
     Key {
         name: "quick_cache",
         value: "0–256",
-        meaning: "recently freed blocks kept per shard for exact-size reuse before they coalesce (0 = off)",
+        meaning: "recently freed blocks kept per shard for exact-size reuse before they coalesce (0 = off; more than the default's one leaves more blocks unmerged, which packs jobs of varying sizes worse)",
         set: |c, v| {
             let n = int(v)?;
             if n > 256 {

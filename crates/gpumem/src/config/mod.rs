@@ -134,7 +134,7 @@ impl Default for PoolConfig {
             max_split_size: None,
             roundup_power2_divisions: Power2Divisions::default(),
             garbage_collection_threshold: None,
-            quick_cache: 16,
+            quick_cache: 1,
             cross_stream_reuse: true,
             expandable_segments: true,
             expandable_slack: 0.002,

@@ -27,6 +27,9 @@ pub const GRID: &[&str] = &[
     "expandable_page_mb:16",
     "roundup_power2_divisions:4",
     "quick_cache:0",
+    // more blocks held back from coalescing: the old default, which packs some fixed-shape
+    // jobs tighter once moves stop and jobs of varying sizes worse
+    "quick_cache:16",
 ];
 
 /// Share of the trace's wall time the chosen configuration's driver calls may take.
