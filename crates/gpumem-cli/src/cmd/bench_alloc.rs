@@ -31,9 +31,11 @@ pub struct Row {
     pub warm_passes: usize,
 }
 
-/// Warm-up of the random scenarios: passes over the workload (65,536 ops each, the whole
-/// period of its sizes) until one makes no driver call (the pool has settled: what it maps,
-/// it keeps), at most this many.
+/// Ops in one pass over the random workload: the whole period of its sizes.
+const PASS_OPS: usize = 1 << 16;
+
+/// Warm-up of the random scenarios: passes over the workload ([`PASS_OPS`] each) until one
+/// makes no driver call (the pool has settled: what it maps, it keeps), at most this many.
 pub const MAX_WARM_PASSES: usize = 20;
 
 /// What a benchmark needs from an allocator: one alloc and one free.
@@ -240,7 +242,7 @@ fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &Pro
 /// per op over batches.
 pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
     let ops = api.budget(ops);
-    let w = RandomLive::standard(1, 1 << 16);
+    let w = RandomLive::standard(1, PASS_OPS);
     let mut live = warm_set(api, &w);
     let warm = warm_passes(api, &w, &mut live, pb);
     let calls = api.device_calls();
@@ -272,7 +274,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         for t in 0..threads {
             let (barrier, warming) = (&barrier, &warming);
             s.spawn(move || {
-                let w = RandomLive::standard(100 + t as u64, 1 << 16);
+                let w = RandomLive::standard(100 + t as u64, PASS_OPS);
                 let mut live = warm_set(api, &w);
                 // warm-up passes, as long as the main thread says so after each
                 barrier.wait();
@@ -301,7 +303,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
             if done {
                 warming.store(false, Ordering::Release);
             } else {
-                pb.inc_length((api.budget(1 << 16) * threads) as u64);
+                pb.inc_length((api.budget(PASS_OPS) * threads) as u64);
             }
             barrier.wait(); // the verdict is out
             if done {
@@ -344,7 +346,7 @@ pub fn run_all<A: Api>(api: &A, plan: &Plan, pb: &ProgressBar) -> Vec<Row> {
 
 /// Total progress units of `run_all` for an allocator.
 pub fn units<A: Api>(api: &A, plan: &Plan) -> u64 {
-    let warm = api.budget(1 << 16);
+    let warm = api.budget(PASS_OPS);
     let pairs = api.budget(plan.pairs).max(BATCH) / BATCH * BATCH;
     let ops = api.budget(plan.ops);
     (pairs + (warm + ops) * (1 + plan.threads)) as u64
