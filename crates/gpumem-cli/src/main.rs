@@ -49,6 +49,11 @@ enum Command {
         /// time, the default; `never` = no event completes until the pool synchronises).
         #[arg(long, value_parser = parse_lag)]
         gpu_lag: Option<u64>,
+        /// Multiply the modelled cost of every driver call by F (0.1 to 100; 1, the H100's
+        /// measured figures, by default), to see whether a policy's outcome holds on a host
+        /// whose driver calls are slower.
+        #[arg(long, value_name = "F", default_value_t = 1.0, value_parser = parse_cost)]
+        driver_cost: f64,
     },
     /// Advice from a trace: replay a grid of configurations, print the one that reserves
     /// least (its modelled driver time within 1% of the trace's wall time) with what it saves,
@@ -189,7 +194,15 @@ fn main() -> ExitCode {
             json,
             device,
             gpu_lag,
-        } => cmd::replay::run(&traces, &conf, json, device, gpu_lag.filter(|&n| n > 0)),
+            driver_cost,
+        } => cmd::replay::run(
+            &traces,
+            &conf,
+            json,
+            device,
+            gpu_lag.filter(|&n| n > 0),
+            driver_cost,
+        ),
         Command::Advise { trace, conf, json } => cmd::advise::run(&trace, &conf, json),
         Command::Synth {
             kind,
@@ -269,6 +282,14 @@ fn main() -> ExitCode {
             eprintln!("gpumem: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `--driver-cost`: a factor from 0.1 to 100.
+fn parse_cost(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.1..=100.0).contains(&f) => Ok(f),
+        _ => Err(format!("`{s}`: expected a factor from 0.1 to 100")),
     }
 }
 

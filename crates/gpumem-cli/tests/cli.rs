@@ -369,6 +369,16 @@ fn bad_inputs_are_refused_clearly_and_quickly() {
         ),
         (vec!["replay", &segments], "bogus", Some("bogus:1")),
         (
+            vec!["replay", "--driver-cost", "0", &segments],
+            "--driver-cost",
+            None,
+        ),
+        (
+            vec!["replay", "--driver-cost", "NaN", &segments],
+            "--driver-cost",
+            None,
+        ),
+        (
             vec!["viz", &segments, "--conf", "", "-o", &out],
             "no allocations",
             None,

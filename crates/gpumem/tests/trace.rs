@@ -36,6 +36,34 @@ fn replay_of_real_pytorch_traces_matches_the_recorded_allocator() {
 }
 
 #[test]
+fn a_replay_models_driver_time_at_the_cost_it_is_given() {
+    // classic segments make the same calls whatever they cost (no time budget decides
+    // anything there): their modelled time scales with the cost, call for call
+    use gpumem::trace::{replay_simulated_at, CostModel};
+    let ev = read_trace(&data("resnet50_train.jsonl.gz")).unwrap();
+    let classic = Config::parse("expandable_segments:False").unwrap();
+    let at = |f: f64| {
+        replay_simulated_at(
+            "c",
+            &ev,
+            &classic,
+            TIB,
+            None,
+            CostModel::default().scaled(f),
+        )
+        .unwrap()
+        .report
+    };
+    let (one, two) = (at(1.0), at(2.0));
+    assert_eq!(one.device_calls, two.device_calls);
+    assert!(one.critical_path_us > 0.0);
+    assert!((two.critical_path_us / one.critical_path_us - 2.0).abs() < 1e-9);
+    // and the default is the model's own figures
+    let plain = replay("c", &ev, &classic, TIB).unwrap();
+    assert_eq!(plain.critical_path_us, one.critical_path_us);
+}
+
+#[test]
 fn recorded_figures_follow_the_segment_events() {
     let text = r#"{"action": "segment_alloc", "addr": 0, "size": 2097152, "stream": 0, "time_us": 1}
 {"action": "alloc", "addr": 0, "size": 1000, "stream": 0, "time_us": 2}

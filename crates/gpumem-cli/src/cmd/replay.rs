@@ -19,7 +19,9 @@ pub fn run(
     json: bool,
     device: Option<usize>,
     gpu_lag: Option<u64>,
+    driver_cost: f64,
 ) -> Result<()> {
+    let cost = gpumem::trace::CostModel::default().scaled(driver_cost);
     // the gpumem rows follow GPUMEM_CONF where it is set (an invalid one is an error)
     let base = config_from(None)?;
     let from_env = std::env::var(gpumem::config::ENV_VAR).is_ok();
@@ -85,12 +87,13 @@ pub fn run(
         let err = |e: gpumem::Error| format!("{}: {e}", path.display());
         for (name, config) in &policies {
             out.policies.push(
-                gpumem::trace::replay_simulated(
+                gpumem::trace::replay_simulated_at(
                     name,
                     &events,
                     config,
                     gpumem::trace::SIM_CAPACITY,
                     gpu_lag,
+                    cost,
                 )
                 .map_err(err)?
                 .report,

@@ -22,8 +22,8 @@ mod replay;
 pub mod synthetic;
 
 pub use replay::{
-    recorded, replay, replay_detailed, replay_simulated, simulated, CostModel, PolicyReport,
-    Replay, SIM_CAPACITY,
+    recorded, replay, replay_detailed, replay_simulated, replay_simulated_at, simulated, CostModel,
+    PolicyReport, Replay, SIM_CAPACITY,
 };
 
 fn bad(path: &str, line: usize, what: impl std::fmt::Display) -> Error {

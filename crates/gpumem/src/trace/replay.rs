@@ -197,8 +197,22 @@ pub fn replay_simulated(
     capacity: u64,
     lag: Option<u64>,
 ) -> Result<Replay> {
+    replay_simulated_at(name, events, config, capacity, lag, CostModel::default())
+}
+
+/// [`replay_simulated`] on a device whose driver calls cost `cost` (on its clock, which the
+/// time budget of page moves runs on, and in the report's modelled driver time).
+pub fn replay_simulated_at(
+    name: &str,
+    events: &[TraceEvent],
+    config: &Config,
+    capacity: u64,
+    lag: Option<u64>,
+    cost: CostModel,
+) -> Result<Replay> {
     let make = || {
         let sim = Arc::new(SimulatedDevice::new(capacity).with_page(config.backend.page_bytes));
+        sim.set_cost(cost);
         if let Some(n) = lag {
             sim.set_lag(n);
         }
@@ -211,7 +225,7 @@ pub fn replay_simulated(
         });
         Ok((sim as Arc<dyn Backend>, tick))
     };
-    replay_passes(name, events, config, &make, &Stream)
+    replay_passes(name, events, config, &make, &Stream, &cost)
 }
 
 /// Capacity of the simulated device replays run on: 4 TiB, more than any GPU has, and small
@@ -237,7 +251,7 @@ pub fn replay_detailed(
     stream: &dyn Fn(u64) -> Stream,
 ) -> Result<Replay> {
     let make = || Ok((backend()?, Box::new(|_| {}) as Box<dyn Fn(u64)>));
-    replay_passes(name, events, config, &make, stream)
+    replay_passes(name, events, config, &make, stream, &CostModel::default())
 }
 
 /// A backend for one replay pass and what advances its clock to an allocator call at the
@@ -250,6 +264,7 @@ fn replay_passes(
     config: &Config,
     backend: &dyn Fn() -> Result<Pass>,
     stream: &dyn Fn(u64) -> Stream,
+    cost: &CostModel,
 ) -> Result<Replay> {
     // a request larger than the device fails at once, with its line, instead of growing the
     // simulator's page tables without bound
@@ -321,7 +336,7 @@ fn replay_passes(
     }
     let peak_live = recorded(events).peak_live_bytes;
     let vmm = vmm.filter(|_| paged);
-    let (fg_us, bg_us) = CostModel::default().cost(&stats, vmm.as_ref());
+    let (fg_us, bg_us) = cost.cost(&stats, vmm.as_ref());
     // driver calls: the page engine's where there is one (a map over pages whose handle
     // still lingers there makes none), else segment allocations and frees
     let device_calls = match &vmm {
