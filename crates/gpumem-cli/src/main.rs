@@ -49,9 +49,9 @@ enum Command {
         /// time, the default; `never` = no event completes until the pool synchronises).
         #[arg(long, value_parser = parse_lag)]
         gpu_lag: Option<u64>,
-        /// Multiply the modelled cost of every driver call by F (0.1 to 100; 1, the H100's
-        /// measured figures, by default), to see whether a policy's outcome holds on a host
-        /// whose driver calls are slower.
+        /// Multiply the modelled cost of every driver call by F in the simulated rows (0.1 to
+        /// 100; 1, the H100's measured figures, by default), to see whether a policy's outcome
+        /// holds on a host whose driver calls are slower; `--device` rows keep the defaults.
         #[arg(long, value_name = "F", default_value_t = 1.0, value_parser = parse_cost)]
         driver_cost: f64,
     },

@@ -145,9 +145,8 @@ struct SimState {
     stale: Vec<Evict>,
     /// the host's time outside the allocator's driver calls, ns ([`SimulatedDevice::set_time_us`])
     time_ns: u64,
-    /// what its driver calls cost on the clock ([`SimulatedDevice::set_cost`]; `None`: the
-    /// defaults)
-    cost: Option<CostModel>,
+    /// what its driver calls cost on the clock ([`SimulatedDevice::set_cost`])
+    cost: CostModel,
     /// CUDA-graph captures: each capturing stream's frontier (the nodes its next operation
     /// depends on), and each node's dependencies (node `n` at index `n - 1`)
     capture_frontiers: FxHashMap<u64, Vec<u64>>,
@@ -313,7 +312,7 @@ impl SimulatedDevice {
     /// What the driver calls cost on the device's clock (which the time budget of page moves
     /// runs on); the defaults until this is called.
     pub fn set_cost(&self, cost: CostModel) {
-        self.state.lock().cost = Some(cost);
+        self.state.lock().cost = cost;
     }
 
     /// Another process takes (or, with a smaller figure, gives back) memory on the device:
@@ -539,8 +538,7 @@ impl VirtualMemory for SimulatedDevice {
 
     fn now_ns(&self) -> u64 {
         let s = self.state.lock();
-        let cost = s.cost.unwrap_or_default();
-        s.time_ns + (cost.vmm_foreground_us(&s.driver) * 1000.0) as u64
+        s.time_ns + (s.cost.vmm_foreground_us(&s.driver) * 1000.0) as u64
     }
 
     fn calls(&self) -> VmmCalls {
