@@ -406,7 +406,7 @@ fn print(out: &BenchOut) {
             r.warm_passes
         );
     }
-    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of 65,536 ops, until one made no driver call, at most {MAX_WARM_PASSES})");
+    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call, at most {MAX_WARM_PASSES})");
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -1,6 +1,6 @@
 //! The block/segment arena: slots, links, free sets, split and coalesce.
 
-use super::expandable::{page_count, page_index};
+use super::expandable::{page_count, page_index, page_span};
 use super::*;
 
 impl CachingPool {
@@ -151,11 +151,8 @@ impl CachingPool {
             let s = &mut self.segments[b.segment as usize];
             let base = s.addr;
             if let Some(p) = s.pages.as_mut() {
-                p.mark_freed(
-                    page_index(addr - base, page),
-                    page_count(addr + size - base, page),
-                    tick,
-                );
+                let (p0, p1) = page_span(addr - base, size, page);
+                p.mark_freed(p0, p1, tick);
             }
         }
         let mut id = id;

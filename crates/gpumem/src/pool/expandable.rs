@@ -22,6 +22,12 @@ pub(super) fn page_count(x: u64, page: u64) -> u64 {
     page_index(x + (page - 1), page)
 }
 
+/// The pages `[first, end)` that the bytes `[lo, lo + size)` of a segment touch.
+#[inline]
+pub(super) fn page_span(lo: u64, size: u64, page: u64) -> (u64, u64) {
+    (page_index(lo, page), page_count(lo + size, page))
+}
+
 impl CachingPool {
     /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
     /// new segment) and map whatever pages of it are not mapped yet.
@@ -129,8 +135,8 @@ impl CachingPool {
         let b = &self.blocks[id as usize];
         let s = &self.segments[b.segment as usize];
         let pages = s.pages.as_deref()?;
-        let lo = b.addr + from - s.addr;
-        Some((pages, page_index(lo, page), page_count(lo + size, page)))
+        let (p0, p1) = page_span(b.addr + from - s.addr, size, page);
+        Some((pages, p0, p1))
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.

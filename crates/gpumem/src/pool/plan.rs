@@ -24,6 +24,7 @@
 //! places anything there. A plan that no longer matches is dissolved: its segment becomes an
 //! ordinary expandable segment whose free pages the dynamic pool reclaims as it needs.
 
+use super::expandable::page_span;
 use super::repeat::{self, Entry, NONE, WINDOW};
 use super::*;
 
@@ -976,7 +977,7 @@ impl CachingPool {
             .layout
             .slots
             .iter()
-            .map(|&(off, size)| (off / page, (off + size).div_ceil(page)))
+            .map(|&(off, size)| page_span(off, size, page))
             .collect();
         used.sort_unstable();
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(used.len());
@@ -1040,12 +1041,8 @@ impl CachingPool {
         let (seg, stream, lo, hi) = {
             let b = &self.blocks[id as usize];
             let s = &self.segments[b.segment as usize];
-            (
-                b.segment,
-                s.stream,
-                (b.addr - s.addr) / page,
-                (b.addr + b.size - s.addr).div_ceil(page),
-            )
+            let (lo, hi) = page_span(b.addr - s.addr, b.size, page);
+            (b.segment, s.stream, lo, hi)
         };
         let runs = {
             let pages = self.segments[seg as usize]
@@ -1195,10 +1192,7 @@ impl CachingPool {
         );
         for (_, id) in free {
             let b = &self.blocks[id as usize];
-            let (lo, hi) = (
-                (b.addr - base) / page,
-                (b.addr + b.size - base).div_ceil(page),
-            );
+            let (lo, hi) = page_span(b.addr - base, b.size, page);
             let tick = self.tick;
             if let Some(pages) = self.segments[seg as usize].pages.as_mut() {
                 pages.mark_freed(lo, hi, tick);
