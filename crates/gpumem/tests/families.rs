@@ -4,8 +4,8 @@
 //!
 //! Every draw keeps page moves within their time budget (`pool/budget.rs`): the moves' time
 //! on the replay's clock (the trace's times, 50 µs an event, plus the modelled driver calls) is
-//! at most 1% of the trace's wall time plus the longest move (the budget starts with no credit,
-//! and the growth it is charged leaves less for moves). Memory: each
+//! at most 1% of the trace's wall time plus what growth took, plus two of the longest move (the
+//! credit starts empty; moves it does not pay take at most what growth did). Memory: each
 //! test asserts the worst ratio measured when it was written (so a regression fails CI) and
 //! prints how many draws are above 1.02.
 
@@ -122,18 +122,23 @@ fn convnet_variable_resolution() {
     family(Kind::ConvVariableResolution, BOUND_CONV_RES);
 }
 
-// Bounds measured on this code (worst of 50 draws, rounded up). Since page moves are paid
-// from a 1% time budget that growth is charged to as well (`pool/budget.rs`), a job maps
-// what its first steps need where they need it and moves pages only with the credit left,
-// then maps and keeps, as PyTorch's expandable segments do: the issue 13 bound of 1.02 is
-// given up for the time (issue 31: speed is the constraint, memory the objective). (Fixed
-// shape 1.28 and several streams 1.33 / 1.46 while the budget did not charge growth.)
+// Bounds measured on this code (worst of 50 draws, rounded up). Page moves are paid from a
+// 1% time budget (`pool/budget.rs`): a job moves pages only with the credit it has, then
+// maps and keeps, as PyTorch's expandable segments do: the issue 13 bound of 1.02 is given up
+// for the time (issue 31: speed is the constraint, memory the objective). Growth takes
+// nothing from that credit since the H100 showed a job's first step spending it all
+// (gptfix: 1.057 -> 1.012 on the H100): over the families the mean ratio went from 1.033 to
+// 1.022 (tiny-next-to-huge 1.087 -> 1.019 and several streams over 16 steps 1.075 -> 1.046
+// on average; worst 1.388 -> 1.144 and 1.189 -> 1.131), but fixed shape from 1.029 to 1.033
+// and its worst from 1.119 to 1.158: these traces last ~30 ms, so the credit is a few moves,
+// and 7 of 50 draws end higher for them, 8 lower. (Fixed shape 1.28 and several streams
+// 1.33 / 1.46 when an earlier policy started with a second's credit.)
 // Against gpumem's own classic segments (PyTorch's native policy) and map-and-keep
 // (`expandable_slack:0.9`, no moves) on 20 draws each, the budgeted policy is below both on
 // MoE, KV decoding, serving, tiny-next-to-huge and the convnets, and above map-and-keep on 7
 // fixed-shape draws (by up to 0.045) and 5 variable-length ones (up to 0.054): pages moved in
 // the first steps leave a layout that keeping covers less tightly than one never moved.
-const BOUND_FIXED_SHAPE: f64 = 1.12;
+const BOUND_FIXED_SHAPE: f64 = 1.16;
 const BOUND_VARLEN: f64 = 1.23;
 const BOUND_MOE: f64 = 1.075;
 // (KV decoding was 1.04 while a job's first maps were not charged to the time budget and it
@@ -141,9 +146,9 @@ const BOUND_MOE: f64 = 1.075;
 // `torch_kv_decode` went 1.028 -> 1.042 with the change, native's 1.559)
 const BOUND_KV: f64 = 1.055;
 const BOUND_SERVING: f64 = 1.075;
-const BOUND_TINY_HUGE: f64 = 1.39;
-const BOUND_MULTI_STREAM: f64 = 1.19;
-const BOUND_MULTI_STREAM_16: f64 = 1.29;
+const BOUND_TINY_HUGE: f64 = 1.15;
+const BOUND_MULTI_STREAM: f64 = 1.13;
+const BOUND_MULTI_STREAM_16: f64 = 1.135;
 const BOUND_CONV: f64 = 1.035;
 const BOUND_CONV_RES: f64 = 1.06;
 

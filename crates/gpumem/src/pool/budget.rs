@@ -8,38 +8,37 @@
 //! - credit accrues at [`SHARE`] of the time that passes on the backend's clock (wall time on a
 //!   GPU; a replay's clock is the trace's time plus its modelled calls), from nothing, up to
 //!   [`CAP_NS`];
-//! - every page call the allocating thread makes is charged, growth included: moves spend what
-//!   growing left of the budget;
+//! - moves are charged to it, growth is not: memory the job has never had is mapped whatever
+//!   it costs (any allocator pays for it; PyTorch's cudaMalloc too), and a job's first steps,
+//!   which map everything, would otherwise leave no credit for the moves of the step that
+//!   sets its high-water mark (gptfix on an H100: step 1's growth took ~20 ms, more than the
+//!   credit holds, and step 2, where AdamW's state first sits beside the activations, could
+//!   move nothing: 1.057 of its peak where moves paid from the credit give 1.012);
 //! - a move is made while there is credit; with none, it may still be paid from growth's
 //!   account, for an allocation that raises no peak of allocated bytes (a demand the job has
 //!   met before), as long as moves paid that way took less time than growth past the
 //!   high-water mark of reserved bytes did (a move costs about what growing by as much does:
-//!   unmapping a handle costs what creating one does). On a GPU a job's first steps map
-//!   everything it uses, and that can take more than the credit accrued meanwhile (gptfix's
-//!   first step: ~18 ms of page work in 1.7 s); without this, where its blocks first landed
-//!   would fix the job's high-water mark. Only growth that raises the mark fills the account,
-//!   so it holds at most what mapping the job's peak once took: growth a move causes below
-//!   the mark refills nothing, and the moves end;
+//!   unmapping a handle costs what creating one does). Only growth that raises the mark fills
+//!   the account, so it holds at most what mapping the job's peak once took: growth a move
+//!   causes below the mark refills nothing;
 //! - a move's measured duration is charged to the account that paid it; a credit-paid move
 //!   that overdraws the credit stops credit-paid moves: from then on the pool maps and keeps
 //!   (as PyTorch's expandable segments do), except while the job's demand changes (for
 //!   [`GROWING_NS`] after its peak of allocated bytes last grew, as the credit allows), until
-//!   the cache is emptied. A job that repeats stops its moves once and for all (it grows no
-//!   more, so growth's account fills no more), and the pool does not swing between the two
-//!   and its steps make no driver call; a job that keeps growing (a KV cache) moves as the
-//!   credit allows; one whose moves are cheap (they never overdraw) goes on moving within the
-//!   budget.
+//!   the cache is emptied. A job that repeats stops its credit-paid moves once and for all,
+//!   and the pool does not swing between the two; a job that keeps growing (a KV cache)
+//!   moves as the credit allows; one whose moves are cheap (they never overdraw) goes on
+//!   moving within the budget.
 //!
-//! Over the first T ns, credit-paid moves take at most what growth left of `SHARE * T`, and
-//! growth-paid moves at most what growth past the high-water mark took, each plus one move:
-//! moves take at most the larger of `SHARE * T` and that growth's time, plus two moves (one
-//! allocation's pages each), and
-//! over any later interval in which the job does not grow at most [`CAP_NS`] more. Growth is
-//! on top: memory the job has never had is mapped whatever it costs (any allocator pays for
-//! it). Moves made because growing would pass the memory budget are not charged: then fitting
-//! is the job (`num_pressure_moves` counts them, and their time is in `page_map_ns`).
+//! Over the first T ns, credit-paid moves take at most `SHARE * T`, and growth-paid moves at
+//! most what growth past the high-water mark took, each plus one move: moves take at most
+//! `SHARE * T` plus that growth's time plus two moves (one allocation's pages each), and over
+//! any later interval in which the job does not grow at most [`SHARE`] of it plus [`CAP_NS`]
+//! more. Growth is on top. Moves made because growing would pass the memory budget are not
+//! charged: then fitting is the job (`num_pressure_moves` counts them, and their time is in
+//! `page_map_ns`).
 
-/// Share of wall time page work on the allocating thread (growth and moves) may take.
+/// Share of wall time page moves on the allocating thread may take (beyond growth's account).
 pub const SHARE: f64 = 0.01;
 /// The most credit that can accrue: [`SHARE`] of one second.
 pub const CAP_NS: f64 = SHARE * 1e9;
@@ -122,15 +121,14 @@ impl MoveBudget {
         }
     }
 
-    /// Charge growth that took `ns`, ending at `now`: it leaves less credit for moves, and
-    /// stops none; growth that raised the high-water mark of reserved bytes (`new_high`) fills
-    /// growth's account.
-    pub(super) fn charge_growth(&mut self, now: u64, ns: u64, new_high: bool) {
+    /// Growth took `ns`, ending at `now` (the credit accrues from the job's first page call):
+    /// it takes nothing from the credit; growth that raised the high-water mark of reserved
+    /// bytes (`new_high`) fills growth's account.
+    pub(super) fn note_growth(&mut self, now: u64, ns: u64, new_high: bool) {
+        self.accrue(now);
         if new_high {
             self.growth_ns += ns;
         }
-        self.accrue(now);
-        self.credit -= ns as f64;
     }
 
     /// Whether moves are stopped (beyond the job's growth).
@@ -167,10 +165,10 @@ mod tests {
         let sec = 1_000_000_000u64;
         let mut b = MoveBudget::default();
         assert!(!b.may_move(0, 100), "no credit before time passes");
-        // growth is charged and stops nothing: a second later, what is left of the credit
-        b.charge_growth(0, 4_000_000, true);
+        // growth takes nothing from the credit: a second later, all of it (the cap)
+        b.note_growth(0, 4_000_000, true);
         assert!(b.may_move(sec, 100) && !b.stopped());
-        assert!(b.credit <= CAP_NS - 4_000_000.0 + 1.0);
+        assert_eq!(b.credit, CAP_NS);
         let t = 2 * sec;
         assert!(b.may_move(t, 100));
         b.charge(CAP_NS as u64 / 2);
@@ -202,32 +200,29 @@ mod tests {
     fn moves_may_take_as_long_as_growth_did_where_they_raise_no_peak() {
         let ms = 1_000_000u64;
         let mut b = MoveBudget::default();
-        // a first step whose growth took more than the credit that accrued meanwhile
-        b.charge_growth(0, 20 * ms, true);
-        b.charge_growth(ms, 0, true);
-        assert!(b.credit < 0.0);
+        // a first step whose growth took 20 ms; a move overdraws what credit there is
+        b.note_growth(0, 20 * ms, true);
+        assert!(!b.may_move(0, 100) && b.may_move(ms, 100));
+        b.charge(ms);
+        assert!(b.stopped() && b.credit < 0.0);
         // an allocation that raises the peak of allocated bytes: no move without credit
-        assert!(!b.may_move(ms, 100));
-        // the next step, below that peak: moves as long as they took less than growth did,
-        // paid from growth's account (the credit and its stops are left alone)
-        let mut t = 100 * ms;
+        // (demand grows: credit-paid moves would go on, but there is none)
+        assert!(!b.may_move(ms, 101));
+        // the next step, past the growing window and below that peak: moves as long as they
+        // took less than growth did, paid from growth's account (the credit left alone)
+        let mut t = 2 * GROWING_NS;
         let mut moved = 0;
         while b.may_move(t, 100) {
+            assert!(b.from_growth);
             b.charge(3 * ms);
             moved += 3 * ms;
             t += ms;
         }
         assert_eq!(moved, 21 * ms, "growth's 20 ms, overshot by one move");
+        assert!(b.credit > 0.0, "stopped: credit accrues but pays no move");
         // growth below the high-water mark (which a move may cause) refills nothing
-        b.charge_growth(t, 10 * ms, false);
-        assert!(!b.may_move(t, 100));
-        assert!(!b.stopped() && b.credit < 0.0);
-        // then only as the credit allows
-        assert!(!b.may_move(t + 100 * ms, 100));
-        let later = t + 20_000 * ms;
-        assert!(b.may_move(later, 100) && !b.from_growth);
-        b.charge(CAP_NS as u64 + ms);
-        assert!(b.stopped() && !b.may_move(later + 100_000 * ms, 100));
+        b.note_growth(t, 10 * ms, false);
+        assert!(!b.may_move(t + 100_000 * ms, 100));
     }
 
     #[test]

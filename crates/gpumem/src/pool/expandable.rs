@@ -286,13 +286,13 @@ impl CachingPool {
         }
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
-        // growth is charged too (without stopping moves): moves spend what it leaves of the
-        // budget; only what fitting under the memory budget costs is not charged
+        // moves are charged to the budget; growth past the high-water mark fills growth's
+        // account; what fitting under the memory budget costs is not charged
         if budgeted {
             self.budget.charge(took);
         } else if !moved {
             let new_high = self.high_water > high_water;
-            self.budget.charge_growth(started + took, took, new_high);
+            self.budget.note_growth(started + took, took, new_high);
         }
         result
     }

@@ -1084,8 +1084,8 @@ impl CachingPool {
         let _ = self.vmm().map(|v| v.finish_move(stream));
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
-        // the region's pages once, charged as growth is (see `budget.rs`)
-        self.budget.charge_growth(started + took, took, false);
+        // the region's pages, mapped once: like growth, not charged to the moves' budget
+        self.budget.note_growth(started + took, took, false);
         result
     }
 

@@ -132,13 +132,13 @@ pub struct Stats {
     /// out of memory (made whatever the time budget; their time is in `page_map_ns`)
     pub num_pressure_moves: u64,
     /// nanoseconds charged to the time budget of page moves (see `pool/budget.rs`): over
-    /// the first T, at most the larger of 1% of T and `page_growth_ns`, plus two of the
-    /// longest move; over any later interval in which the job does not grow, 10 ms more
+    /// the first T, at most 1% of T plus `page_growth_ns`, plus two of the longest move;
+    /// over any later interval in which the job does not grow, 1% of it and 10 ms more
     pub page_move_ns: u64,
     /// the longest single move charged, ns
     pub page_move_longest_ns: u64,
     /// nanoseconds the allocating threads spent growing past the high-water mark of reserved
-    /// bytes (what moves may take beyond 1% of wall time; see `pool/budget.rs`)
+    /// bytes (what moves may take on top of 1% of wall time; see `pool/budget.rs`)
     pub page_growth_ns: u64,
     /// times page moves stopped because they overdrew the time budget (the pool then maps
     /// and keeps until the job's demand changes)

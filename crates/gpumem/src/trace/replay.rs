@@ -53,7 +53,7 @@ pub struct PolicyReport {
     /// the longest single move of those, µs
     pub move_longest_us: f64,
     /// time the allocating thread spent growing past the high-water mark of reserved bytes;
-    /// moves may take as long as that beyond 1% of wall time (`pool/budget.rs`), µs
+    /// moves may take as long as that on top of 1% of wall time (`pool/budget.rs`), µs
     pub growth_us: f64,
     /// the page engine's calls by kind (expandable segments; `None` otherwise)
     #[serde(skip_serializing_if = "Option::is_none")]
