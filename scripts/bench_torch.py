@@ -57,7 +57,7 @@ SETTINGS = {
 
 def setting_env(s):
     """The environment of setting `s`: a name above, or `gpumem/KEY:VALUE+KEY:VALUE` (gpumem
-    with that configuration, e.g. gpumem/expandable_slack:0.5)."""
+    with that configuration, e.g. gpumem/planned_layout:False)."""
     if s.startswith("gpumem/"):
         return {"GPUMEM_CONF": s[len("gpumem/"):].replace("+", ",")}
     return SETTINGS[s]

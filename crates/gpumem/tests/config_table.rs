@@ -47,7 +47,6 @@ fn samples(name: &str) -> &'static [&'static str] {
         "cross_stream_reuse" | "expandable_segments" | "time_calls" | "planned_layout" => {
             &["True", "False", "0", "1"]
         }
-        "expandable_slack" => &["0", "0.002", "0.5"],
         "staging_chunk_kb" => &["4", "2048", "1048576"],
         "staging_min_kb" => &["0", "1024"],
         "pressure_release" => &["0", "0.05", "0.5"],

@@ -133,10 +133,10 @@ fn convnet_variable_resolution() {
 // and its worst from 1.119 to 1.158: these traces last ~30 ms, so the credit is a few moves,
 // and 7 of 50 draws end higher for them, 8 lower. (Fixed shape 1.28 and several streams
 // 1.33 / 1.46 when an earlier policy started with a second's credit.)
-// Against gpumem's own classic segments (PyTorch's native policy) and map-and-keep
-// (`expandable_slack:0.9`, no moves) on 20 draws each, the budgeted policy is below both on
-// MoE, KV decoding, serving, tiny-next-to-huge and the convnets, and above map-and-keep on 7
-// fixed-shape draws (by up to 0.045) and 5 variable-length ones (up to 0.054): pages moved in
+// Against gpumem's own classic segments (PyTorch's native policy) and map-and-keep (no
+// moves: `expandable_slack:0.9`, a key since removed) on 20 draws each, the budgeted policy
+// is below both on MoE, KV decoding, serving, tiny-next-to-huge and the convnets, and above
+// map-and-keep on 7 fixed-shape draws (by up to 0.045) and 5 variable-length ones (up to 0.054): pages moved in
 // the first steps leave a layout that keeping covers less tightly than one never moved.
 const BOUND_FIXED_SHAPE: f64 = 1.16;
 const BOUND_VARLEN: f64 = 1.23;

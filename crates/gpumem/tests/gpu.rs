@@ -397,7 +397,7 @@ fn pages_move_under_a_running_kernel(
     let (a_s, b_s) = (Stream::from(&**sa), Stream::from(&**sb));
     let a = Device::cuda(
         0,
-        Config::parse("shards:1,quick_cache:0,expandable_slack:0,memory_limit_mb:200").unwrap(),
+        Config::parse("shards:1,quick_cache:0,memory_limit_mb:200").unwrap(),
     )
     .unwrap();
     let n = 64 * MIB / 4;
@@ -505,11 +505,7 @@ fn a_free_block_is_lent_to_another_stream_after_its_running_kernel() {
     let g = gpu();
     let (sa, sb) = (g.ctx.new_stream().unwrap(), g.ctx.new_stream().unwrap());
     let (a_s, b_s) = (Stream::from(&*sa), Stream::from(&*sb));
-    let a = Device::cuda(
-        0,
-        Config::parse("shards:1,quick_cache:0,expandable_slack:0").unwrap(),
-    )
-    .unwrap();
+    let a = Device::cuda(0, Config::parse("shards:1,quick_cache:0").unwrap()).unwrap();
     let (n, m) = (64 * MIB / 4, 48 * MIB / 4);
     let cycles = 400_000_000i64; // ~200 ms
     let mut out_b = DeviceBuffer::<u32>::zeroed(&a, b_s, m).unwrap();
@@ -637,7 +633,7 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
     let free_before = device_free();
     let workers_before = threads_named("gpumem-pages");
     {
-        let a = Device::cuda(0, Config::parse("shards:1,expandable_slack:0").unwrap()).unwrap();
+        let a = Device::cuda(0, Config::parse("shards:1").unwrap()).unwrap();
         assert!(a.expandable());
         assert_eq!(
             threads_named_settled("gpumem-pages", workers_before + 1),

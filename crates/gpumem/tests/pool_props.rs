@@ -49,8 +49,8 @@ fn config() -> impl Strategy<Value = String> {
     prop_oneof![
         // expandable (virtual-memory) segments, the default on the simulated device
         Just(String::new()),
-        Just("quick_cache:0,expandable_slack:0".to_string()),
-        Just("memory_limit_mb:256,expandable_slack:0.5".to_string()),
+        Just("quick_cache:0".to_string()),
+        Just("memory_limit_mb:256".to_string()),
         // classic segments
         Just("expandable_segments:False".to_string()),
         Just("expandable_segments:False,quick_cache:0".to_string()),

@@ -195,13 +195,18 @@ fn pickles_with_bad_entries_are_errors_naming_the_entry() {
 fn recorded_traces_replay_to_the_same_peak() {
     use gpumem::workload::SplitMix;
     use gpumem::Stream;
-    // no page moves (a slack that always covers the demand): the time budget that decides
-    // them runs on the device's clock, which a live run and its replay read differently
-    for conf in [
-        "shards:1,expandable_slack:0.9",
-        "shards:1,expandable_segments:False",
+    // no page moves (map and keep): the time budget that decides them runs on the device's
+    // clock, which a live run and its replay read differently
+    let mut keep = Config::parse("shards:1").unwrap();
+    keep.pool.page_moves = false;
+    for (conf, config) in [
+        ("shards:1 (page moves off)", keep),
+        (
+            "shards:1,expandable_segments:False",
+            Config::parse("shards:1,expandable_segments:False").unwrap(),
+        ),
     ] {
-        let (a, dev) = Device::simulated(TIB, Config::parse(conf).unwrap()).unwrap();
+        let (a, dev) = Device::simulated(TIB, config.clone()).unwrap();
         let mut live = Vec::new();
         let mut r = SplitMix::new(9);
         a.start_recording();
@@ -222,7 +227,7 @@ fn recorded_traces_replay_to_the_same_peak() {
         let rec = recorded(&events);
         let peak = a.stats().reserved_bytes.all.peak;
         assert_eq!(rec.peak_reserved_bytes, peak, "{conf}");
-        let again = replay("again", &events, &Config::parse(conf).unwrap(), TIB).unwrap();
+        let again = replay("again", &events, &config, TIB).unwrap();
         assert_eq!(again.peak_reserved_bytes, peak, "{conf}");
         assert_eq!(again.peak_live_bytes, rec.peak_live_bytes);
         // round trip through a gzip file

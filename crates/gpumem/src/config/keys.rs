@@ -257,16 +257,6 @@ pub const KEYS: &[Key] = &[
         get: |c| show_bool(c.pool.expandable_segments),
     },
     Key {
-        name: "expandable_slack",
-        value: "0 ≤ s < 1",
-        meaning: "pages mapped beyond the peak of allocated bytes (a fraction of it) before free pages are moved instead of new ones mapped (moves also wait until reserved bytes would pass their high-water mark, and are paid from a 1% time budget)",
-        set: |c, v| {
-            c.pool.expandable_slack = fraction(v, |f| (0.0..1.0).contains(&f), "[0, 1)")?;
-            Ok(())
-        },
-        get: |c| c.pool.expandable_slack.to_string(),
-    },
-    Key {
         name: "expandable_page_mb",
         value: "0 or a power of two of MiB up to 1024 (rounded up to the device's granularity, 2 MiB on current GPUs)",
         meaning: "bytes of one page of expandable segments, the unit they map in (a run of pages is one physical handle of up to 32 pages; each driver call costs about the same whatever the handle's size; 0 = the granularity)",

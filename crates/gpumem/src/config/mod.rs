@@ -112,9 +112,11 @@ pub struct PoolConfig {
     pub cross_stream_reuse: bool,
     /// Virtual-memory (expandable) segments where the backend supports them.
     pub expandable_segments: bool,
-    /// Mapped bytes allowed beyond the peak of allocated bytes (a fraction of it) before free
-    /// pages are unmapped and reused rather than new ones mapped.
-    pub expandable_slack: f64,
+    /// Page moves within the time budget (expandable segments; `pool/budget.rs`). No
+    /// configuration key: the budget and the high-water mark decide moves; Rust callers and
+    /// tests may turn them off to map and keep, as PyTorch's expandable segments do (moves
+    /// that fit the memory budget still happen).
+    pub page_moves: bool,
     /// Release the cache when the device's free memory (every process counted) falls below
     /// this fraction of its total and another process's use has grown; 0 = never.
     pub pressure_release: f64,
@@ -137,7 +139,7 @@ impl Default for PoolConfig {
             quick_cache: 1,
             cross_stream_reuse: true,
             expandable_segments: true,
-            expandable_slack: 0.002,
+            page_moves: true,
             pressure_release: 0.05,
             pressure_interval_ms: 100,
             time_calls: false,
@@ -375,7 +377,6 @@ mod tests {
             ("nocolon", "key:value"),
             ("cross_stream_reuse:maybe", "cross_stream_reuse"),
             ("expandable_segments:yes", "expandable_segments"),
-            ("expandable_slack:2", "expandable_slack"),
             // (20 MiB, PyTorch's large handle, failed in cuMemAddressReserve at the first
             // allocation on the H100: the alignment must be a power of two)
             ("expandable_page_mb:20", "power of two"),

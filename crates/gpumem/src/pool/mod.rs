@@ -17,9 +17,10 @@
 //! - `expandable.rs`: where the backend has virtual memory
 //!   ([`crate::resource::Resource::virtual_memory`]) and `expandable_segments` is on (the
 //!   default), each stream and pool gets one large reserved address range whose pages are
-//!   backed by physical memory only where blocks need them. Before the pool maps more than the
-//!   peak of allocated bytes (plus `expandable_slack`), it unmaps pages that lie wholly inside
-//!   free blocks and are known idle, so the physical memory follows the live bytes.
+//!   backed by physical memory only where blocks need them. Before the pool maps past the
+//!   high-water mark of reserved bytes (or just past the peak of allocated bytes), it moves
+//!   pages that lie wholly inside free blocks, within a time budget (`budget.rs`), so the
+//!   physical memory follows the live bytes.
 //! - `lending.rs`: with several streams, a stream that would have to move pages takes a free,
 //!   mapped block of another stream's expandable segment instead, ordered after that stream's
 //!   work by an event wait on the GPU (as `cudaMallocAsync` shares one pool across streams).
@@ -306,7 +307,8 @@ struct Policy {
     cross_stream: bool,
     /// page size of expandable segments; `None` = classic segments
     page: Option<u64>,
-    slack: f64,
+    /// page moves within the time budget (off: map and keep)
+    moves: bool,
     /// blocks are never split: a request takes a whole free block or segment
     /// (`torch.cuda.MemPool(no_split=True)`)
     no_split: bool,
@@ -407,7 +409,7 @@ impl CachingPool {
                 quick_cap: config.pool.quick_cache,
                 cross_stream: config.pool.cross_stream_reuse,
                 page,
-                slack: config.pool.expandable_slack,
+                moves: config.pool.page_moves,
                 no_split: false,
             },
             shared,

@@ -17,9 +17,6 @@ pub const GRID: &[&str] = &[
     "expandable_segments:False,roundup_power2_divisions:4",
     "expandable_segments:False,max_split_size_mb:64",
     "expandable_segments:False,garbage_collection_threshold:0.8",
-    "expandable_slack:0",
-    "expandable_slack:0.02",
-    "expandable_slack:0.1",
     // larger pages: fewer, cheaper moves (set-access and unmap are paid per mapping) for more
     // memory in the pages free blocks share with live ones
     "expandable_page_mb:4",
@@ -152,7 +149,7 @@ mod tests {
     #[test]
     fn advice_names_a_configuration_no_worse_than_the_default_and_the_warmup() {
         let events = Kind::VariableSeqLen.generate_steps(3, 4);
-        let a = advise("varlen", &events, &["expandable_slack:0.001".into()]).unwrap();
+        let a = advise("varlen", &events, &["expandable_page_mb:32".into()]).unwrap();
         assert_eq!(a.candidates.len(), GRID.len() + 2);
         assert_eq!(a.candidates[0].conf, "");
         let best = &a.candidates[a.best].report;
