@@ -208,8 +208,8 @@ impl CachingPool {
 
     /// Map the unmapped pages under block `id` (taken, not free); returns the bytes mapped.
     /// Beyond the allowance (the high-water mark, or the peak of allocated bytes and
-    /// [`SLACK`]), free pages elsewhere are
-    /// unmapped first so that the physical memory does not grow.
+    /// [`SLACK`]), free pages elsewhere are unmapped first so that the physical memory does
+    /// not grow (within the time budget, or where growing would pass the memory budget).
     pub(super) fn ensure_mapped(&mut self, id: u32, stream: Stream) -> Result<u64> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let (size, seg) = {

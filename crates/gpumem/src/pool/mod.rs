@@ -56,7 +56,7 @@ pub mod summary;
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::resource::{unsupported, Backend, DevPtr, Event, Stream, VirtualMemory};
-pub use budget::SHARE as MOVE_BUDGET_SHARE;
+pub use budget::{CAP_NS as MOVE_BUDGET_CAP_NS, SHARE as MOVE_BUDGET_SHARE};
 pub use checkpoint::{BlockLayout, Layout, Restored, SegmentLayout};
 use expandable::Pages;
 use free_index::FreeIndex;

@@ -659,6 +659,10 @@ impl CachingPool {
             self.plan_resync();
         }
         if self.plans.repeats.found != self.plans.seen {
+            if self.plans.seen == 0 {
+                // the job repeats: its warm-up is over (see `budget.rs`)
+                self.budget.warmed_up();
+            }
             self.plans.seen = self.plans.repeats.found;
             if self.plans.current.is_none() && self.plans.planning.is_none() {
                 self.plan_start();
