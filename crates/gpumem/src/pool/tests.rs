@@ -9,10 +9,15 @@ const B: Stream = Stream(2);
 
 /// A pool with classic segments (unless `conf` says otherwise) over a simulated device.
 fn pool_with(capacity: u64, conf: &str) -> (CachingPool, Arc<SimulatedDevice>) {
-    let dev = Arc::new(SimulatedDevice::new(capacity));
     let mut cfg = Config::parse("expandable_segments:False").unwrap();
     cfg.apply(conf).unwrap();
-    let pool = CachingPool::new(dev.clone(), &cfg, Arc::new(SharedCounters::default()));
+    pool_of(capacity, &cfg)
+}
+
+/// A pool with configuration `cfg` over a simulated device.
+fn pool_of(capacity: u64, cfg: &Config) -> (CachingPool, Arc<SimulatedDevice>) {
+    let dev = Arc::new(SimulatedDevice::new(capacity));
+    let pool = CachingPool::new(dev.clone(), cfg, Arc::new(SharedCounters::default()));
     (pool, dev)
 }
 
@@ -437,10 +442,9 @@ fn expandable_segment_moves_free_pages_instead_of_growing() {
 #[test]
 fn without_page_moves_the_pool_maps_and_keeps() {
     // (as `expandable_segment_moves_free_pages_instead_of_growing`, with moves off)
-    let dev = Arc::new(SimulatedDevice::new(1 << 40));
     let mut cfg = Config::parse("expandable_segments:True,quick_cache:0").unwrap();
     cfg.pool.page_moves = false;
-    let mut p = CachingPool::new(dev.clone(), &cfg, Arc::new(SharedCounters::default()));
+    let (mut p, dev) = pool_of(1 << 40, &cfg);
     assert!(p.expandable());
     let a = alloc(&mut p, A, 100 * MIB);
     let _b = alloc(&mut p, A, 100 * MIB);
