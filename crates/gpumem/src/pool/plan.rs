@@ -7,7 +7,8 @@
 //! size", Pisarchyk & Lee 2020: the largest first, each at the lowest offset free of the
 //! blocks placed before it that live at the same time; and other orders beside it, the
 //! smallest layout kept: by breadth, by life, and by size with the largest blocks
-//! shuffled). The region's pages are mapped once;
+//! shuffled; around blocks that stay, also one that fills the gaps between them first, in
+//! the order the job allocates). The region's pages are mapped once;
 //! later steps take their planned offsets without a search and without a driver call.
 //!
 //! Serving follows the job with a cursor over the period's events: an event that matches the
@@ -78,7 +79,7 @@ impl Life {
 /// overlap, nor any of the `fixed` ranges `[lo, hi)` (blocks that stay where they are), and
 /// the bytes the layout spans: the best of a few greedy orders.
 pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u64>, u64) {
-    place_pinned(lives, period, fixed, &[])
+    place_pinned(lives, period, fixed, &[], true)
 }
 
 /// The (order, best gap) pairs [`place`] tries, in the order it keeps the first smallest:
@@ -89,17 +90,24 @@ fn tries() -> impl Iterator<Item = (usize, bool)> {
         .chain((ORDERS..ORDERS + SHUFFLES).map(|k| (k, false)))
 }
 
-/// [`place`] with `pinned` blocks (index, offset) where they are.
+/// [`place`] with `pinned` blocks (index, offset) where they are; `gaps`: also the layout
+/// that fills the gaps between `fixed` ranges first ([`fill_gaps_first`]).
 fn place_pinned(
     lives: &[Life],
     period: u32,
     fixed: &[(u64, u64)],
     pinned: &[(usize, u64)],
+    gaps: bool,
 ) -> (Vec<u64>, u64) {
-    let attempt = |k: usize, fit: bool| {
-        place_around(lives, period, &order(lives, period, k), fit, fixed, pinned)
+    // `None`: the gaps first
+    let attempt = |t: Option<(usize, bool)>| match t {
+        Some((k, fit)) => place_around(lives, period, &order(lives, period, k), fit, fixed, pinned),
+        None => fill_gaps_first(lives, period, fixed, pinned),
     };
-    let tries: Vec<(usize, bool)> = tries().collect();
+    let tries: Vec<Option<(usize, bool)>> = tries()
+        .map(Some)
+        .chain((gaps && !fixed.is_empty()).then_some(None))
+        .collect();
     // each attempt is quadratic in the blocks: a step of a few thousand blocks tries them
     // side by side (on threads of their own; one by one where threads cannot be had), so
     // that the plan serves a step sooner
@@ -107,24 +115,24 @@ fn place_pinned(
         std::thread::scope(|s| {
             let handles: Vec<_> = tries
                 .iter()
-                .map(|&(k, fit)| {
+                .map(|&t| {
                     std::thread::Builder::new()
                         .name("gpumem-place".into())
-                        .spawn_scoped(s, move || attempt(k, fit))
+                        .spawn_scoped(s, move || attempt(t))
                         .ok()
                 })
                 .collect();
             handles
                 .into_iter()
                 .zip(&tries)
-                .filter_map(|(h, &(k, fit))| match h {
+                .filter_map(|(h, &t)| match h {
                     Some(h) => h.join().ok(),
-                    None => Some(attempt(k, fit)),
+                    None => Some(attempt(t)),
                 })
                 .collect()
         })
     } else {
-        tries.iter().map(|&(k, fit)| attempt(k, fit)).collect()
+        tries.iter().map(|&t| attempt(t)).collect()
     };
     // the first of the smallest, as one by one
     let mut best: Option<(Vec<u64>, u64)> = None;
@@ -213,6 +221,70 @@ fn order(lives: &[Life], period: u32, k: usize) -> Vec<usize> {
         }
     }
     order
+}
+
+/// Blocks that stay (`fixed`) lie scattered where a job's first steps put them (an
+/// optimizer's state, created in the first step, fills the holes its activations left).
+/// Placed around them in [`place_pinned`]'s orders, the step's blocks leave much of the gaps
+/// between them unused (gptfix: 10.52 GB around 2.29 GB of fixed blocks, where the step alone
+/// packs into its 7.71 GB peak). So fill the gaps first, in the order the job allocates: each
+/// block goes into the gaps below the highest fixed block at the lowest offset where it fits
+/// for its whole life (a step's blocks die mostly in the reverse order of their allocation, so
+/// the gaps fill like stacks and stay full at the step's fullest moment); then every other
+/// block is placed above them by [`place_pinned`]'s orders, where alone they pack as well as
+/// the whole step does (gptfix: 9.997 GB, the fixed blocks plus the step's peak).
+fn fill_gaps_first(
+    lives: &[Life],
+    period: u32,
+    fixed: &[(u64, u64)],
+    pinned: &[(usize, u64)],
+) -> (Vec<u64>, u64) {
+    let mut order: Vec<usize> = (0..lives.len()).collect();
+    order.sort_by_key(|&i| lives[i].start);
+    let ceiling = fixed.iter().map(|f| f.1).max().unwrap_or(0);
+    let mut is_pinned = vec![false; lives.len()];
+    let mut placed: Vec<(usize, u64)> = pinned.to_vec();
+    for &(i, _) in pinned {
+        is_pinned[i] = true;
+    }
+    let mut busy: Vec<(u64, u64)> = Vec::new();
+    for i in order {
+        if is_pinned[i] {
+            continue;
+        }
+        let l = &lives[i];
+        if l.size > ceiling {
+            continue;
+        }
+        busy.clear();
+        busy.extend_from_slice(fixed);
+        busy.extend(
+            placed
+                .iter()
+                .filter(|&&(j, _)| lives[j].meets(l, period))
+                .map(|&(j, off)| (off, off + lives[j].size)),
+        );
+        busy.sort_unstable();
+        let mut at = 0u64;
+        let mut found = None;
+        for &(lo, hi) in &busy {
+            if at + l.size > ceiling {
+                break;
+            }
+            if lo >= at + l.size {
+                found = Some(at);
+                break;
+            }
+            at = at.max(hi);
+        }
+        if let Some(at) = found {
+            placed.push((i, at));
+        }
+    }
+    // the others above the gaps
+    let mut above = fixed.to_vec();
+    above.push((0, ceiling));
+    place_pinned(lives, period, &above, &placed, false)
 }
 
 /// Place `lives` in `order`, each at the lowest offset where it fits (`best_gap`: in the
@@ -926,7 +998,7 @@ impl CachingPool {
             }
             id = b.next;
         }
-        let (offsets, total) = place_pinned(&p.layout.lives, period as u32, &fixed, &pinned);
+        let (offsets, total) = place_pinned(&p.layout.lives, period as u32, &fixed, &pinned, true);
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let p = &mut self.plans.plans[i];
         for (k, s) in p.layout.slots.iter_mut().enumerate() {
@@ -1331,6 +1403,95 @@ mod tests {
                 }
             }
             assert!(off[i] + a.size <= total);
+        }
+    }
+
+    /// A training step's blocks (activations allocated in the forward pass and freed in
+    /// reverse in the backward one, short-lived temporaries between them, the loss's large
+    /// blocks at the turn) around blocks that
+    /// stay scattered below `top` (an optimizer's state in the holes of the first step).
+    fn step_around_fixed(seed: u64) -> (Vec<Life>, u32, Vec<(u64, u64)>) {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let unit = 1u64 << 20;
+        let mut lives = Vec::new();
+        let mut pos = 0u32;
+        let mut open = Vec::new();
+        for _ in 0..60 {
+            open.push((lives.len(), pos));
+            lives.push(life([8, 8, 8, 6, 16][next(5) as usize] * unit, pos, 0));
+            pos += 1;
+            if next(3) == 0 {
+                lives.push(life((1 + next(32)) * unit, pos, pos + 1));
+                pos += 2;
+            }
+        }
+        // the loss: a few blocks larger than any gap, at the step's fullest moment
+        for _ in 0..3 {
+            lives.push(life((96 + next(64)) * unit, pos, pos + 3));
+            pos += 1;
+        }
+        pos += 3;
+        while let Some((i, _)) = open.pop() {
+            lives[i].end = pos;
+            pos += 1;
+            if next(3) == 0 {
+                lives.push(life((1 + next(32)) * unit, pos, pos + 1));
+                pos += 2;
+            }
+        }
+        // weights at the bottom, then runs of state with gaps between them
+        let mut fixed = vec![(0, (64 + next(64)) * unit)];
+        let mut at = fixed[0].1;
+        for _ in 0..12 {
+            at += (4 + next(48)) * unit;
+            let run = (2 + next(24)) * unit;
+            fixed.push((at, at + run));
+            at += run;
+        }
+        (lives, pos, fixed)
+    }
+
+    #[test]
+    fn a_step_placed_around_blocks_that_stay_keeps_off_them_and_takes_the_least_of_both_ways() {
+        for seed in 0..20 {
+            let (lives, period, fixed) = step_around_fixed(seed);
+            let (off, total) = place(&lives, period, &fixed);
+            for (i, a) in lives.iter().enumerate() {
+                for &(lo, hi) in &fixed {
+                    assert!(
+                        off[i] + a.size <= lo || hi <= off[i],
+                        "seed {seed}: {i} on a fixed block"
+                    );
+                }
+                for (j, b) in lives.iter().enumerate().skip(i + 1) {
+                    if a.meets(b, period) {
+                        assert!(off[i] + a.size <= off[j] || off[j] + b.size <= off[i]);
+                    }
+                }
+                assert!(off[i] + a.size <= total);
+            }
+            // no layout takes less than the blocks that stay and the step's peak together
+            let fixed_bytes: u64 = fixed.iter().map(|f| f.1 - f.0).sum();
+            let bound = fixed_bytes + held_bytes(&lives, period).into_iter().max().unwrap();
+            // (the gptfix trace, in tests/trace.rs, is where the gaps first win: 9.997 GB against
+            // 10.52; here both ways mostly meet)
+            assert!(
+                total * 100 <= bound * 103,
+                "seed {seed}: {total} against {bound}"
+            );
+            let around = tries()
+                .map(|(k, fit)| {
+                    place_around(&lives, period, &order(&lives, period, k), fit, &fixed, &[]).1
+                })
+                .min()
+                .unwrap();
+            assert!(total <= around, "seed {seed}");
         }
     }
 }
