@@ -123,6 +123,16 @@ fn convnet_variable_resolution() {
     family(Kind::ConvVariableResolution, BOUND_CONV_RES);
 }
 
+/// Training in phases (issue 33's "plans for several phases"): runs of 6-8 steps at one of 2-3
+/// sequence lengths (length buckets), each run followed by an evaluation pass (forward only).
+/// Measured on this code: mean 1.037, worst 1.148, and the same with `planned_layout:False`:
+/// the peak comes in the first run of the longest bucket, before a plan exists, so plans do
+/// not change it. The issue's 1.02 for phases is not met.
+#[test]
+fn training_in_phases() {
+    family(Kind::Phases, BOUND_PHASES);
+}
+
 // Bounds measured on this code (worst of 50 draws, rounded up). Page moves are paid from a
 // 1% time budget (`pool/budget.rs`): a job moves pages only with the credit it has, then
 // maps and keeps, as PyTorch's expandable segments do: the issue 13 bound of 1.02 is given up
@@ -153,6 +163,7 @@ const BOUND_MULTI_STREAM: f64 = 1.13;
 const BOUND_MULTI_STREAM_16: f64 = 1.135;
 const BOUND_CONV: f64 = 1.035;
 const BOUND_CONV_RES: f64 = 1.06;
+const BOUND_PHASES: f64 = 1.15;
 
 /// Driver calls in the last step of a periodic job (the calls of `n + 1` steps minus those of
 /// `n` steps, same seed), with and without GPU lag, as the page engine makes them (creates,

@@ -47,11 +47,14 @@ pub enum Kind {
     MultiStream,
     /// convnet training with fixed shapes
     ConvTraining,
+    /// transformer training in phases: runs of steps at one of a few sequence lengths (length
+    /// buckets), an evaluation pass (forward only) after each run
+    Phases,
 }
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 10] = [
         Kind::FixedShape,
         Kind::VariableSeqLen,
         Kind::Moe,
@@ -61,6 +64,7 @@ impl Kind {
         Kind::MultiStream,
         Kind::ConvTraining,
         Kind::ConvVariableResolution,
+        Kind::Phases,
     ];
 
     /// The kinds whose steps repeat exactly (after the first), where a pool should reach a
@@ -79,6 +83,7 @@ impl Kind {
             Kind::MixedTinyHuge => "mixed_tiny_huge",
             Kind::MultiStream => "multi_stream",
             Kind::ConvTraining => "conv_training",
+            Kind::Phases => "phases",
         }
     }
 
@@ -103,6 +108,8 @@ impl Kind {
             Kind::MixedTinyHuge => 12_000,
             Kind::MultiStream => 4,
             Kind::ConvTraining | Kind::ConvVariableResolution => 5,
+            // each bucket's run once or twice: 2-3 buckets of 6-8 steps
+            Kind::Phases => 32,
         }
     }
 
@@ -157,6 +164,23 @@ impl Kind {
                 let w = t.weights(layers, d, 0);
                 let iterations = steps * (120 + t.rng.below(120) as usize);
                 t.serve(layers, d, in_flight, iterations);
+                t.free_all(w);
+            }
+            Kind::Phases => {
+                let (layers, d, batch) = t.transformer_shape();
+                let heads = d / 64;
+                let w = t.weights(layers, d, 0);
+                let buckets: Vec<u64> = (0..2 + t.rng.below(2))
+                    .map(|_| 128 * (2 + t.rng.below(15)))
+                    .collect();
+                let run = 6 + t.rng.below(3) as usize;
+                for step in 0..steps {
+                    let seq = buckets[(step / run) % buckets.len()];
+                    t.transformer_step(layers, d, heads, batch, seq, 0);
+                    if (step + 1) % run == 0 {
+                        t.evaluation(layers, d, heads, batch, buckets[0], 0);
+                    }
+                }
                 t.free_all(w);
             }
             Kind::MixedTinyHuge => t.mixed(steps),
@@ -293,6 +317,37 @@ impl Builder {
 
     /// One training step: forward saves activations per layer, backward frees them in reverse
     /// with gradient temporaries, then an optimizer step with per-tensor temporaries.
+    /// A forward pass without gradients (evaluation): each layer's tensors are freed once the
+    /// next layer has its input.
+    fn evaluation(&mut self, layers: u64, d: u64, heads: u64, b: u64, s: u64, st: u64) {
+        let tok = b * s;
+        let mut x = self.alloc(tok * d * BF16, st);
+        for _ in 0..layers {
+            let norm = self.alloc(tok * d * BF16, st);
+            let qkv = self.alloc(3 * tok * d * BF16, st);
+            let scores = self.alloc(b * heads * s * s * BF16, st);
+            let probs = self.alloc(b * heads * s * s * BF16, st);
+            self.free(scores);
+            let attn = self.alloc(tok * d * BF16, st);
+            self.free(probs);
+            self.free(qkv);
+            let up = self.alloc(4 * tok * d * BF16, st);
+            let act = self.alloc(4 * tok * d * BF16, st);
+            self.free(up);
+            let out = self.alloc(tok * d * BF16, st);
+            self.free(act);
+            self.free(attn);
+            self.free(norm);
+            self.free(x);
+            x = out;
+        }
+        let logits = self.alloc(tok * 32_000 * BF16, st);
+        let loss = self.alloc(512, st);
+        self.free(logits);
+        self.free(loss);
+        self.free(x);
+    }
+
     fn transformer_step(&mut self, layers: u64, d: u64, heads: u64, b: u64, s: u64, st: u64) {
         let tok = b * s;
         let mut saved: Vec<Vec<u64>> = Vec::new();
