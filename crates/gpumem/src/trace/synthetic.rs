@@ -108,7 +108,7 @@ impl Kind {
             Kind::MixedTinyHuge => 12_000,
             Kind::MultiStream => 4,
             Kind::ConvTraining | Kind::ConvVariableResolution => 5,
-            // each bucket's run once or twice: 2-3 buckets of 6-8 steps
+            // 4-5 runs of 6-8 steps over 2-3 buckets: the first bucket's run comes back
             Kind::Phases => 32,
         }
     }
@@ -315,8 +315,6 @@ impl Builder {
         w
     }
 
-    /// One training step: forward saves activations per layer, backward frees them in reverse
-    /// with gradient temporaries, then an optimizer step with per-tensor temporaries.
     /// A forward pass without gradients (evaluation): each layer's tensors are freed once the
     /// next layer has its input.
     fn evaluation(&mut self, layers: u64, d: u64, heads: u64, b: u64, s: u64, st: u64) {
@@ -348,6 +346,8 @@ impl Builder {
         self.free(x);
     }
 
+    /// One training step: forward saves activations per layer, backward frees them in reverse
+    /// with gradient temporaries, then an optimizer step with per-tensor temporaries.
     fn transformer_step(&mut self, layers: u64, d: u64, heads: u64, b: u64, s: u64, st: u64) {
         let tok = b * s;
         let mut saved: Vec<Vec<u64>> = Vec::new();
