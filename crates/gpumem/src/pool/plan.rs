@@ -249,48 +249,29 @@ fn fill_gaps_first(
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| lives[i].start);
     let ceiling = fixed.iter().map(|f| f.1).max().unwrap_or(0);
+    let mut offset = vec![0u64; lives.len()];
+    let mut placed: Vec<usize> = Vec::with_capacity(lives.len());
     let mut is_pinned = vec![false; lives.len()];
-    let mut placed: Vec<(usize, u64)> = pinned.to_vec();
-    for &(i, _) in pinned {
+    for &(i, off) in pinned {
+        offset[i] = off;
         is_pinned[i] = true;
+        placed.push(i);
     }
     let mut busy: Vec<(u64, u64)> = Vec::new();
     for i in order {
         if is_pinned[i] {
             continue;
         }
-        let l = &lives[i];
-        if l.size > ceiling {
-            continue;
-        }
-        busy.clear();
-        busy.extend_from_slice(fixed);
-        busy.extend(
-            placed
-                .iter()
-                .filter(|&&(j, _)| lives[j].meets(l, period))
-                .map(|&(j, off)| (off, off + lives[j].size)),
-        );
-        busy.sort_unstable();
-        let mut at = 0u64;
-        let mut found = None;
-        for &(lo, hi) in &busy {
-            if at + l.size > ceiling {
-                break;
-            }
-            if lo >= at + l.size {
-                found = Some(at);
-                break;
-            }
-            at = at.max(hi);
-        }
-        if let Some(at) = found {
-            placed.push((i, at));
+        let at = lowest_fit(lives, period, i, fixed, &placed, &offset, false, &mut busy);
+        if at + lives[i].size <= ceiling {
+            offset[i] = at;
+            placed.push(i);
         }
     }
     // the others above the gaps
     let mut above = fixed.to_vec();
     above.push((0, ceiling));
+    let placed: Vec<(usize, u64)> = placed.into_iter().map(|i| (i, offset[i])).collect();
     place_pinned(lives, period, &above, &placed, false)
 }
 
@@ -319,37 +300,54 @@ fn place_around(
         if is_pinned[i] {
             continue;
         }
-        let l = &lives[i];
-        busy.clear();
-        busy.extend_from_slice(fixed);
-        busy.extend(
-            placed
-                .iter()
-                .filter(|&&j| lives[j].meets(l, period))
-                .map(|&j| (offset[j], offset[j] + lives[j].size)),
+        let at = lowest_fit(
+            lives, period, i, fixed, &placed, &offset, best_gap, &mut busy,
         );
-        busy.sort_unstable();
-        let mut at = 0u64;
-        let mut gap: Option<(u64, u64)> = None;
-        for &(lo, hi) in &busy {
-            if lo >= at + l.size {
-                if !best_gap {
-                    break;
-                }
-                if gap.is_none_or(|g| lo - at < g.1) {
-                    gap = Some((at, lo - at));
-                }
-            }
-            at = at.max(hi);
-        }
-        if let Some((g, _)) = gap {
-            at = g;
-        }
         offset[i] = at;
-        total = total.max(at + l.size);
+        total = total.max(at + lives[i].size);
         placed.push(i);
     }
     (offset, total)
+}
+
+/// Where block `i` goes beside the `fixed` ranges and the `placed` blocks (at `offset`) whose
+/// lives meet its own: the lowest offset where it fits (`best_gap`: the smallest gap it fits,
+/// else on top of them all). `busy` is scratch.
+#[allow(clippy::too_many_arguments)]
+fn lowest_fit(
+    lives: &[Life],
+    period: u32,
+    i: usize,
+    fixed: &[(u64, u64)],
+    placed: &[usize],
+    offset: &[u64],
+    best_gap: bool,
+    busy: &mut Vec<(u64, u64)>,
+) -> u64 {
+    let l = &lives[i];
+    busy.clear();
+    busy.extend_from_slice(fixed);
+    busy.extend(
+        placed
+            .iter()
+            .filter(|&&j| lives[j].meets(l, period))
+            .map(|&j| (offset[j], offset[j] + lives[j].size)),
+    );
+    busy.sort_unstable();
+    let mut at = 0u64;
+    let mut gap: Option<(u64, u64)> = None;
+    for &(lo, hi) in busy.iter() {
+        if lo >= at + l.size {
+            if !best_gap {
+                break;
+            }
+            if gap.is_none_or(|g| lo - at < g.1) {
+                gap = Some((at, lo - at));
+            }
+        }
+        at = at.max(hi);
+    }
+    gap.map_or(at, |(g, _)| g)
 }
 
 /// The lives of the blocks of `events` (oldest first; the first one's index is `first`),
