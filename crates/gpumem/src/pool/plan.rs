@@ -64,6 +64,7 @@ impl Life {
         }
     }
 
+    #[cfg(test)]
     fn meets(&self, other: &Life, period: u32) -> bool {
         self.spans(period).iter().any(|&(a0, a1)| {
             a0 < a1
@@ -249,29 +250,20 @@ fn fill_gaps_first(
     let mut order: Vec<usize> = (0..lives.len()).collect();
     order.sort_by_key(|&i| lives[i].start);
     let ceiling = fixed.iter().map(|f| f.1).max().unwrap_or(0);
-    let mut offset = vec![0u64; lives.len()];
-    let mut placed: Vec<usize> = Vec::with_capacity(lives.len());
-    let mut is_pinned = vec![false; lives.len()];
-    for &(i, off) in pinned {
-        offset[i] = off;
-        is_pinned[i] = true;
-        placed.push(i);
-    }
-    let mut busy: Vec<(u64, u64)> = Vec::new();
+    let mut p = Placer::new(lives, period, fixed, pinned);
     for i in order {
-        if is_pinned[i] {
+        if p.is_placed(i) {
             continue;
         }
-        let at = lowest_fit(lives, period, i, fixed, &placed, &offset, false, &mut busy);
+        let at = p.lowest_fit(i, false);
         if at + lives[i].size <= ceiling {
-            offset[i] = at;
-            placed.push(i);
+            p.put(i, at);
         }
     }
     // the others above the gaps
     let mut above = fixed.to_vec();
     above.push((0, ceiling));
-    let placed: Vec<(usize, u64)> = placed.into_iter().map(|i| (i, offset[i])).collect();
+    let placed = p.placed();
     place_pinned(lives, period, &above, &placed, false)
 }
 
@@ -285,69 +277,125 @@ fn place_around(
     fixed: &[(u64, u64)],
     pinned: &[(usize, u64)],
 ) -> (Vec<u64>, u64) {
-    let mut offset = vec![0u64; lives.len()];
-    let mut placed: Vec<usize> = Vec::with_capacity(lives.len());
-    let mut total = 0u64;
-    let mut busy: Vec<(u64, u64)> = Vec::new();
-    let mut is_pinned = vec![false; lives.len()];
-    for &(i, off) in pinned {
-        offset[i] = off;
-        is_pinned[i] = true;
-        placed.push(i);
-        total = total.max(off + lives[i].size);
-    }
+    let mut p = Placer::new(lives, period, fixed, pinned);
     for &i in order {
-        if is_pinned[i] {
-            continue;
+        if !p.is_placed(i) {
+            let at = p.lowest_fit(i, best_gap);
+            p.put(i, at);
         }
-        let at = lowest_fit(
-            lives, period, i, fixed, &placed, &offset, best_gap, &mut busy,
-        );
-        offset[i] = at;
-        total = total.max(at + lives[i].size);
-        placed.push(i);
     }
-    (offset, total)
+    (p.offset, p.total)
 }
 
-/// Where block `i` goes beside the `fixed` ranges and the `placed` blocks (at `offset`) whose
-/// lives meet its own: the lowest offset where it fits (`best_gap`: the smallest gap it fits,
-/// else on top of them all). `busy` is scratch.
-#[allow(clippy::too_many_arguments)]
-fn lowest_fit(
-    lives: &[Life],
-    period: u32,
-    i: usize,
-    fixed: &[(u64, u64)],
-    placed: &[usize],
-    offset: &[u64],
-    best_gap: bool,
-    busy: &mut Vec<(u64, u64)>,
-) -> u64 {
-    let l = &lives[i];
-    busy.clear();
-    busy.extend_from_slice(fixed);
-    busy.extend(
-        placed
+/// A layout being built: the blocks placed so far, by offset, beside the `fixed` ranges.
+struct Placer<'a> {
+    lives: &'a [Life],
+    /// each life's held positions as two intervals (see [`Life::spans`])
+    spans: Vec<[u32; 4]>,
+    /// the fixed ranges, sorted
+    fixed: Vec<(u64, u64)>,
+    /// the placed blocks `(lo, hi, index)`, sorted
+    placed: Vec<(u64, u64, usize)>,
+    offset: Vec<u64>,
+    is_placed: Vec<bool>,
+    /// the top of the highest placed block
+    total: u64,
+}
+
+impl<'a> Placer<'a> {
+    fn new(lives: &'a [Life], period: u32, fixed: &[(u64, u64)], pinned: &[(usize, u64)]) -> Self {
+        let spans = lives
             .iter()
-            .filter(|&&j| lives[j].meets(l, period))
-            .map(|&j| (offset[j], offset[j] + lives[j].size)),
-    );
-    busy.sort_unstable();
-    let mut at = 0u64;
-    let mut gap: Option<(u64, u64)> = None;
-    for &(lo, hi) in busy.iter() {
-        if lo >= at + l.size {
-            if !best_gap {
-                break;
-            }
-            if gap.is_none_or(|g| lo - at < g.1) {
-                gap = Some((at, lo - at));
-            }
+            .map(|l| {
+                let [(a0, a1), (b0, b1)] = l.spans(period);
+                [a0, a1, b0, b1]
+            })
+            .collect();
+        let mut fixed = fixed.to_vec();
+        fixed.sort_unstable();
+        let mut p = Self {
+            lives,
+            spans,
+            fixed,
+            placed: Vec::with_capacity(lives.len()),
+            offset: vec![0; lives.len()],
+            is_placed: vec![false; lives.len()],
+            total: 0,
+        };
+        for &(i, off) in pinned {
+            p.put(i, off);
         }
-        at = at.max(hi);
+        p
     }
-    gap.map_or(at, |(g, _)| g)
+
+    fn is_placed(&self, i: usize) -> bool {
+        self.is_placed[i]
+    }
+
+    /// Block `i` at `at`.
+    fn put(&mut self, i: usize, at: u64) {
+        let hi = at + self.lives[i].size;
+        let k = self.placed.partition_point(|&(l, h, _)| (l, h) <= (at, hi));
+        self.placed.insert(k, (at, hi, i));
+        self.offset[i] = at;
+        self.is_placed[i] = true;
+        self.total = self.total.max(hi);
+    }
+
+    /// The placed blocks and their offsets.
+    fn placed(&self) -> Vec<(usize, u64)> {
+        self.placed.iter().map(|&(lo, _, i)| (i, lo)).collect()
+    }
+
+    /// Whether the lives of blocks `i` and `j` meet ([`Life::meets`]).
+    #[inline]
+    fn meet(&self, i: usize, j: usize) -> bool {
+        let (a, b) = (&self.spans[i], &self.spans[j]);
+        let ov = |a0: u32, a1: u32, b0: u32, b1: u32| (a0 < a1) & (b0 < b1) & (a0 < b1) & (b0 < a1);
+        ov(a[0], a[1], b[0], b[1])
+            | ov(a[0], a[1], b[2], b[3])
+            | ov(a[2], a[3], b[0], b[1])
+            | ov(a[2], a[3], b[2], b[3])
+    }
+
+    /// Where block `i` goes beside the fixed ranges and the placed blocks whose lives meet
+    /// its own: the lowest offset where it fits (`best_gap`: the smallest gap it fits, else on
+    /// top of them all). Both lists are kept by offset, so the ranges in the way come in order
+    /// without a sort.
+    fn lowest_fit(&self, i: usize, best_gap: bool) -> u64 {
+        let size = self.lives[i].size;
+        let mut busy = self
+            .placed
+            .iter()
+            .filter(|&&(_, _, j)| self.meet(i, j))
+            .map(|&(lo, hi, _)| (lo, hi))
+            .peekable();
+        let mut fixed = self.fixed.iter().copied().peekable();
+        let mut at = 0u64;
+        let mut gap: Option<(u64, u64)> = None;
+        loop {
+            // the next range in the way, lowest first, from either list
+            let next = match (fixed.peek(), busy.peek()) {
+                (Some(&f), Some(&b)) if f <= b => fixed.next(),
+                (_, Some(_)) => busy.next(),
+                (Some(_), None) => fixed.next(),
+                (None, None) => None,
+            };
+            let Some((lo, hi)) = next else {
+                break;
+            };
+            if lo >= at + size {
+                if !best_gap {
+                    break;
+                }
+                if gap.is_none_or(|g| lo - at < g.1) {
+                    gap = Some((at, lo - at));
+                }
+            }
+            at = at.max(hi);
+        }
+        gap.map_or(at, |(g, _)| g)
+    }
 }
 
 /// The lives of the blocks of `events` (oldest first; the first one's index is `first`),
