@@ -67,7 +67,8 @@ def setting_env(s):
 # the whole of allocations and frees (counted with the time_calls setting)
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
-WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams"]
+WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
+             "accum", "unet"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -396,6 +397,120 @@ def run_moe(torch, steps):
         yield loss
 
 
+def run_accum(torch, steps, micro=4, batch=8, seq=512):
+    """GPT training with gradient accumulation (`micro` micro-batches per optimizer step) in
+    fp16 with a GradScaler, as a Trainer's defaults give: the scaler's overflow check reads a
+    flag back every step."""
+    m = decoder(torch, d=768, layers=8)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda")
+    g = torch.Generator().manual_seed(11)
+    F = torch.nn.functional
+    for _ in range(steps):
+        total = 0.0
+        for _ in range(micro):
+            x = torch.randint(0, 32000, (batch, seq + 1), generator=g).cuda()
+            with torch.autocast("cuda", dtype=torch.float16):
+                mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device="cuda")
+                h = m["body"](m["emb"](x[:, :-1]), mask=mask, is_causal=True)
+                logits = m["head"](h)
+                loss = F.cross_entropy(logits.float().view(-1, 32000), x[:, 1:].reshape(-1)) / micro
+            scaler.scale(loss).backward()
+            total = total + loss.detach()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        yield total
+
+
+def run_unet(torch, steps, batch=32, hw=64):
+    """A diffusion UNet trained to predict noise on 4-channel latents (convolutional residual
+    blocks with GroupNorm and a timestep embedding, self-attention at the two lowest
+    resolutions), bf16 autocast, AdamW."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Res(nn.Module):
+        def __init__(self, cin, cout, temb):
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(32, cin), nn.Conv2d(cin, cout, 3, padding=1)
+            self.t = nn.Linear(temb, cout)
+            self.n2, self.c2 = nn.GroupNorm(32, cout), nn.Conv2d(cout, cout, 3, padding=1)
+            self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+        def forward(self, x, t):
+            h = self.c1(F.silu(self.n1(x))) + self.t(t)[:, :, None, None]
+            return self.skip(x) + self.c2(F.silu(self.n2(h)))
+
+    class Attn(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.n, self.qkv, self.o = nn.GroupNorm(32, c), nn.Conv2d(c, 3 * c, 1), nn.Conv2d(c, c, 1)
+
+        def forward(self, x):
+            b, c, hh, ww = x.shape
+            q, k, v = self.qkv(self.n(x)).reshape(b, 3, 8, c // 8, hh * ww).transpose(-1, -2).unbind(1)
+            a = F.scaled_dot_product_attention(q, k, v)
+            return x + self.o(a.transpose(-1, -2).reshape(b, c, hh, ww))
+
+    class Unet(nn.Module):
+        def __init__(self, ch=(128, 256, 512, 512), temb=512):
+            super().__init__()
+            self.temb = nn.Sequential(nn.Linear(128, temb), nn.SiLU(), nn.Linear(temb, temb))
+            self.inp = nn.Conv2d(4, ch[0], 3, padding=1)
+            self.down, self.up = nn.ModuleList(), nn.ModuleList()
+            c, skips = ch[0], [ch[0]]
+            for i, co in enumerate(ch):
+                for _ in range(2):
+                    self.down.append(nn.ModuleList([Res(c, co, temb), Attn(co) if i >= 2 else nn.Identity()]))
+                    c = co
+                    skips.append(c)
+                if i < len(ch) - 1:
+                    self.down.append(nn.Conv2d(c, c, 3, stride=2, padding=1))
+                    skips.append(c)
+            self.mid = nn.ModuleList([Res(c, c, temb), Attn(c), Res(c, c, temb)])
+            for i, co in reversed(list(enumerate(ch))):
+                for _ in range(3):
+                    self.up.append(nn.ModuleList([Res(c + skips.pop(), co, temb), Attn(co) if i >= 2 else nn.Identity()]))
+                    c = co
+                if i > 0:
+                    self.up.append(nn.Upsample(scale_factor=2))
+            self.out = nn.Sequential(nn.GroupNorm(32, c), nn.SiLU(), nn.Conv2d(c, 4, 3, padding=1))
+
+        def forward(self, x, t):
+            half = torch.exp(-torch.arange(64, device=x.device) * (9.21 / 64))
+            e = t[:, None].float() * half[None]
+            t = self.temb(torch.cat([e.sin(), e.cos()], -1))
+            h = self.inp(x)
+            hs = [h]
+            for blk in self.down:
+                h = blk(h) if isinstance(blk, nn.Conv2d) else blk[1](blk[0](h, t))
+                hs.append(h)
+            h = self.mid[2](self.mid[1](self.mid[0](h, t)), t)
+            for blk in self.up:
+                if isinstance(blk, nn.Upsample):
+                    h = blk(h)
+                else:
+                    h = blk[1](blk[0](torch.cat([h, hs.pop()], 1), t))
+            return self.out(h)
+
+    m = Unet().cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(12)
+    for _ in range(steps):
+        x0 = torch.randn(batch, 4, hw, hw, generator=g).cuda()
+        noise = torch.randn(batch, 4, hw, hw, generator=g).cuda()
+        t = torch.randint(0, 1000, (batch,), generator=g).cuda()
+        a = (1 - t.float() / 1000)[:, None, None, None]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.mse_loss(m(a.sqrt() * x0 + (1 - a).sqrt() * noise, t).float(), noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
+
+
 def run_serve(torch, iterations):
     L, D, H = 8, 1024, 16
     w, emb = lm_weights(torch, L, D, seed=6)
@@ -453,6 +568,8 @@ def worker(workload, setting, steps):
         "resres": lambda: run_resnet(torch, steps, sizes=[128, 160, 192, 224, 256, 288], batch=32),
         "serve": lambda: run_serve(torch, 100 * steps),
         "streams": lambda: run_streams(torch, steps),
+        "accum": lambda: run_accum(torch, steps),
+        "unet": lambda: run_unet(torch, steps),
     }[workload]()
     times, losses = [], []
     warm = 3
