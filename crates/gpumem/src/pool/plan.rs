@@ -36,6 +36,10 @@ pub(super) const MIN_ALLOCS: usize = 8;
 pub(super) const MAX_ALLOCS: usize = 16_384;
 /// Plans kept at once (phases of a job); beyond, the one used longest ago is dissolved.
 const MAX_PLANS: usize = 4;
+/// Times in a row a plan may take its region and lose the job before one whole cycle of its
+/// events; then it is dissolved (a plan whose first events match another phase's would
+/// otherwise take its region at every step of that phase and leave it a few events later).
+const MAX_SHORT_STAYS: u32 = 3;
 /// The greedy orders [`place`] tries (see [`order`]).
 const ORDERS: usize = 4;
 /// Orders [`place`] also tries with the largest blocks shuffled (see [`order`]).
@@ -613,6 +617,10 @@ pub(super) struct Plan {
     /// the plan would take more memory than the dynamic layout holds: it is kept (so that
     /// the job is not planned again) and never serves
     declined: bool,
+    /// the detector's event count when the plan last took its region
+    since: u64,
+    /// times in a row it left its region before a whole cycle (see [`MAX_SHORT_STAYS`])
+    short_stays: u32,
 }
 
 impl Plan {
@@ -641,6 +649,8 @@ impl Plan {
             free_at: BTreeMap::new(),
             used: 0,
             declined: false,
+            since: 0,
+            short_stays: 0,
         }
     }
 
@@ -722,8 +732,11 @@ impl CachingPool {
             }
         };
         self.plans.plans[i].used = self.tick;
-        if self.plans.plans[i].seg == NIL && (pos != 0 || self.plan_activate(i).is_err()) {
-            return None;
+        if self.plans.plans[i].seg == NIL {
+            if pos != 0 || self.plan_activate(i).is_err() {
+                return None;
+            }
+            self.plans.plans[i].since = self.plans.repeats.events();
         }
         let p = &self.plans.plans[i];
         let slot = p.layout.slot_at[pos as usize];
@@ -789,7 +802,14 @@ impl CachingPool {
                 self.budget.warmed_up();
             }
             self.plans.seen = self.plans.repeats.found;
-            if self.plans.current.is_none() && self.plans.planning.is_none() {
+            // a period no plan in step follows (a plan in step may follow only the first
+            // events of a new phase's steps)
+            let period = self.plans.repeats.period();
+            let followed = self
+                .plans
+                .current
+                .is_some_and(|i| u64::from(self.plans.plans[i].layout.half) == period);
+            if !followed && self.plans.planning.is_none() {
                 self.plan_start();
             }
         }
@@ -799,7 +819,20 @@ impl CachingPool {
     /// region at once, so that the dynamic pool has its memory, and waits dormant for the
     /// job to come back to it.
     fn plan_out_of_step(&mut self, i: usize) {
+        let p = &self.plans.plans[i];
+        let (held, cycle) = (p.seg != NIL, p.layout.prints.len() as u64);
+        let short = self.plans.repeats.events() < p.since + cycle;
         self.plan_leave(i);
+        if held {
+            let p = &mut self.plans.plans[i];
+            p.short_stays = if short { p.short_stays + 1 } else { 0 };
+            if p.short_stays >= MAX_SHORT_STAYS {
+                // it keeps losing the job at once: forgotten (the detector plans the job
+                // anew if it comes back)
+                self.plans.plans.remove(i);
+                self.stats.num_plans_dropped += 1;
+            }
+        }
     }
 
     /// Find where the job stands in one of the plans from the last events.

@@ -150,6 +150,8 @@ pub struct Stats {
     pub num_plans: u64,
     /// plans that would have taken more memory than the dynamic layout held, left unused
     pub num_plans_declined: u64,
+    /// plans forgotten because they kept losing the job before one whole cycle of their events
+    pub num_plans_dropped: u64,
     /// allocations served at their planned offsets
     pub num_plan_allocs: u64,
     /// allocations in step with a plan whose bytes were not free (served by the dynamic pool)
@@ -294,6 +296,7 @@ impl Stats {
         self.page_map_ns += o.page_map_ns;
         self.num_plans += o.num_plans;
         self.num_plans_declined += o.num_plans_declined;
+        self.num_plans_dropped += o.num_plans_dropped;
         self.num_plan_allocs += o.num_plan_allocs;
         self.num_plan_misses += o.num_plan_misses;
         self.plan_reserved_bytes += o.plan_reserved_bytes;
@@ -447,6 +450,7 @@ pub(crate) struct HotStats {
     pub(crate) page_map_ns: u64,
     pub(crate) num_plans: u64,
     pub(crate) num_plans_declined: u64,
+    pub(crate) num_plans_dropped: u64,
     pub(crate) num_plan_allocs: u64,
     pub(crate) num_plan_misses: u64,
 }
@@ -621,6 +625,7 @@ impl HotStats {
             page_map_ns: self.page_map_ns,
             num_plans: self.num_plans,
             num_plans_declined: self.num_plans_declined,
+            num_plans_dropped: self.num_plans_dropped,
             num_plan_allocs: self.num_plan_allocs,
             num_plan_misses: self.num_plan_misses,
             ..Stats::default()

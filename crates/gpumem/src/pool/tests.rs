@@ -959,6 +959,76 @@ fn a_repeating_job_gets_a_planned_layout_and_no_driver_call_a_step() {
     assert_eq!(p.stats().reserved_bytes.all.current, 0);
 }
 
+/// A step of blocks of `sizes` MiB, allocated in turn and freed in reverse, with `extra` (a
+/// block of that many MiB allocated and freed) after the `at`-th.
+fn stack_step(p: &mut CachingPool, sizes: &[u64], extra: Option<(usize, u64)>) {
+    let mut held = Vec::new();
+    for (i, &m) in sizes.iter().enumerate() {
+        held.push(alloc(p, A, m * MIB));
+        if let Some((_, x)) = extra.filter(|e| e.0 == i) {
+            let t = alloc(p, A, x * MIB);
+            free(p, t);
+        }
+    }
+    while let Some(b) = held.pop() {
+        free(p, b);
+    }
+}
+
+/// A new phase whose steps begin as the old phase's do (the same first blocks, then more):
+/// the old plan follows the first events of each new step, and the new phase still gets a plan
+/// of its own, which serves it with no driver call; back in the old phase, the old plan serves
+/// again.
+#[test]
+fn a_new_phase_whose_steps_begin_like_the_old_ones_gets_a_plan_of_its_own() {
+    let (mut p, dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let sizes = |k: u64| (0..k).map(|i| 2 + (i * 7) % 31).collect::<Vec<u64>>();
+    let (short, long) = (sizes(32), sizes(256));
+    for _ in 0..10 {
+        stack_step(&mut p, &short, None);
+    }
+    assert_eq!(p.stats().num_plans, 1, "{:?}", p.stats());
+    let mut per_step = Vec::new();
+    for _ in 0..12 {
+        let (calls, planned) = (vmm_calls(&dev), p.stats().num_plan_allocs);
+        stack_step(&mut p, &long, None);
+        per_step.push((vmm_calls(&dev) - calls, p.stats().num_plan_allocs - planned));
+    }
+    let s = p.stats();
+    assert_eq!(s.num_plans, 2, "{s:?}");
+    assert!(per_step[3..].iter().all(|&c| c == (0, 256)), "{per_step:?}");
+    for _ in 0..6 {
+        stack_step(&mut p, &short, None);
+    }
+    let planned = p.stats().num_plan_allocs;
+    stack_step(&mut p, &short, None);
+    assert_eq!(p.stats().num_plan_allocs - planned, 32, "{:?}", p.stats());
+    assert_eq!(p.stats().num_plan_misses, 0);
+}
+
+/// A plan whose first events match every step of a job that never repeats as a whole (here:
+/// a block of another size each step, after the fourth) would take its region at each step
+/// and lose the job a few events later; after a few such short stays it is forgotten.
+#[test]
+fn a_plan_that_keeps_losing_the_job_at_once_is_forgotten() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let short: Vec<u64> = (0..16).map(|i| 2 + (i * 7) % 31).collect();
+    for _ in 0..10 {
+        stack_step(&mut p, &short, None);
+    }
+    assert_eq!(p.stats().num_plans, 1);
+    for k in 0..12 {
+        stack_step(&mut p, &short, Some((3, 40 + k)));
+    }
+    let s = p.stats();
+    assert_eq!(s.num_plans_dropped, 1, "{s:?}");
+    assert_eq!(s.num_plans, 1, "not planned again: the job does not repeat");
+    // the pool goes on as a dynamic one
+    let planned = s.num_plan_allocs;
+    stack_step(&mut p, &short, Some((3, 99)));
+    assert_eq!(p.stats().num_plan_allocs, planned);
+}
+
 /// A lasting change of shapes gets a plan of its own; the old one is kept for when the
 /// first shapes come back (phases), and both serve with no driver call once made.
 #[test]
