@@ -30,6 +30,10 @@ Workloads (seeded; bf16 autocast where training):
           grown by torch.cat, up to 8 in flight (time: whole run)
   streams two decoders (d=1024 x 6 layers, d=768 x 8) trained side by side on two streams,
           sequence length drawn per step (256..1024), AdamW
+  accum   gradient accumulation: an 8-layer d=768 decoder, 4 micro-batches of 8 x 512 tokens
+          an optimizer step, fp16 autocast with a GradScaler, gradient clipping, AdamW
+  unet    a diffusion UNet (channels 128/256/512/512, attention at the two lowest
+          resolutions) predicting noise on batch 32 of 4 x 64 x 64 latents, bf16, AdamW
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps with --cap-gb of
 the device free (the rest taken with cuMemAlloc outside every allocator before the job), each

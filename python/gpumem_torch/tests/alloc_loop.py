@@ -1,9 +1,12 @@
 """Per-allocation cost through torch's allocator interface, under whichever allocator is
 current: C++ loops of `allocate` + DataPtr release (what every tensor does) and of
 `raw_alloc` + `raw_delete` (4 KiB and 1 MiB, on the current stream) through
-c10::cuda::CUDACachingAllocator::get(), and `torch.empty` + `del` from Python.
+c10::cuda::CUDACachingAllocator::get(), a repeating step of 32 or 256 blocks of 2-32 MiB
+(which gpumem serves from a planned layout; `GPUMEM_CONF=planned_layout:False` for its
+dynamic pool), and `torch.empty` + `del` from Python.
 `python alloc_loop.py gpumem` installs gpumem first (native); `python alloc_loop.py native`
 measures PyTorch's own. Prints ns per alloc + free (best of 5 rounds)."""
+import os
 import sys
 import time
 
@@ -19,6 +22,7 @@ src = r"""
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <chrono>
 #include <cuda_runtime_api.h>
+#include <vector>
 double raw_loop(int64_t n, int64_t bytes) {
   auto* a = c10::cuda::CUDACachingAllocator::get();
   for (int i = 0; i < 1000; ++i) a->raw_delete(a->raw_alloc(bytes));
@@ -32,6 +36,23 @@ double dataptr_loop(int64_t n, int64_t bytes) {
   auto t = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < n; ++i) { auto p = a->allocate(bytes); }
   return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t).count() / n;
+}
+// a repeating step: `k` blocks of 2-32 MiB allocated in order, released in reverse, `n` times
+// (a job that repeats: gpumem serves it from a planned layout once it has seen it twice);
+// ns per allocate + release over the second half
+double step_loop(int64_t n, int64_t k) {
+  auto* a = c10::cuda::CUDACachingAllocator::get();
+  std::vector<c10::DataPtr> held;
+  held.reserve(k);
+  double ns = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    auto t = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < k; ++i) held.push_back(a->allocate(size_t(2 + (i * 7) % 31) << 20));
+    while (!held.empty()) held.pop_back();
+    if (s >= n / 2)
+      ns += std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t).count();
+  }
+  return ns / double((n - n / 2) * k);
 }
 // the pieces: torch's device and stream lookups, and gpumem's C ABI alone (function addresses)
 double lookups(int64_t n) {
@@ -76,21 +97,24 @@ double abi_loop(int64_t n, int64_t bytes, int64_t alloc_fn, int64_t free_fn) {
   return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t).count() / n;
 }
 """
-m = load_inline("gpumem_alloc_loop2", cpp_sources=src, functions=["raw_loop", "dataptr_loop", "lookups", "lookup_part", "abi_loop"],
+m = load_inline("gpumem_alloc_loop2", cpp_sources=src, functions=["raw_loop", "dataptr_loop", "step_loop", "lookups", "lookup_part", "abi_loop"],
                 with_cuda=True, extra_cflags=["-O2"])
 torch.empty(1, device="cuda")
-who = sys.argv[-1]
+who = sys.argv[-1] + (f" ({os.environ['GPUMEM_CONF']})" if sys.argv[-1] == "gpumem" and os.environ.get("GPUMEM_CONF") else "")
 for bytes_ in (4096, 1 << 20):
     best = min(m.dataptr_loop(1_000_000, bytes_) for _ in range(5))
     print(f"{who}: {bytes_} B allocate + DataPtr release: {best:.0f} ns (best of 5 x 1e6)")
     best = min(m.raw_loop(1_000_000, bytes_) for _ in range(5))
     print(f"{who}: {bytes_} B raw_alloc + raw_delete: {best:.0f} ns (best of 5 x 1e6)")
+for k in (32, 256):
+    best = min(m.step_loop(20_000 if k == 32 else 4_000, k) for _ in range(3))
+    print(f"{who}: a repeating step of {k} blocks of 2-32 MiB, allocate + DataPtr release: {best:.0f} ns (best of 3)")
 best = min(m.lookups(1_000_000) for _ in range(5))
 print(f"{who}: current_device + getCurrentCUDAStream: {best:.1f} ns")
 for i, name in enumerate(["c10 current_device", "getCurrentCUDAStream(0)", "cudaGetDevice"]):
     best = min(m.lookup_part(1_000_000, i) for _ in range(5))
     print(f"{who}: {name}: {best:.1f} ns")
-if who == "gpumem":
+if who.startswith("gpumem"):
     import ctypes
 
     lib = ctypes.CDLL(gpumem_torch.library_path())
