@@ -38,6 +38,20 @@ use super::DevPtr;
 use crate::error::{Error, Result};
 use rustc_hash::{FxHashMap, FxHashSet};
 
+/// Keep the entries of `list` that `valid` accepts, each once, where it was last (the lists
+/// are read newest first).
+fn prune(list: &mut Vec<Hid>, valid: impl Fn(&Hid) -> bool) {
+    let mut seen = FxHashSet::default();
+    let mut kept: Vec<Hid> = list
+        .iter()
+        .rev()
+        .filter(|h| valid(h) && seen.insert(**h))
+        .copied()
+        .collect();
+    kept.reverse();
+    *list = kept;
+}
+
 /// A physical handle (a `CUmemGenericAllocationHandle`, or a number in the simulator).
 pub type Hid = u64;
 /// An event (a `CUevent` as a number, or a number in the simulator).
@@ -387,8 +401,27 @@ impl PageMap {
 
     fn keep(&mut self, h: Hid, stream: u64, event: Option<Ev>) {
         self.avail.insert(h, Avail::Kept { stream, event });
-        self.kept.entry(stream).or_default().push(h);
-        self.kept_by.entry((stream, event)).or_default().push(h);
+        let bound = 2 * self.avail.len() + 64;
+        let avail = &self.avail;
+        // stale entries (handles taken since) are skipped where the lists are read and dropped
+        // when their event settles; a stream whose kept handles are taken again before that
+        // (moved back and forth with no event between) drops them here, or its lists would
+        // grow with every move
+        let list = self.kept.entry(stream).or_default();
+        list.push(h);
+        if list.len() > bound {
+            prune(
+                list,
+                |h| matches!(avail.get(h), Some(Avail::Kept { stream: s, .. }) if *s == stream),
+            );
+        }
+        let list = self.kept_by.entry((stream, event)).or_default();
+        list.push(h);
+        if list.len() > bound {
+            prune(list, |h| {
+                avail.get(h) == Some(&Avail::Kept { stream, event })
+            });
+        }
         self.hold(event, 1);
     }
 
@@ -986,6 +1019,28 @@ mod tests {
         assert_eq!(map(&mut m, d, 40, 2, &mut next), [0, 0, 2, 2]);
         assert_eq!(m.unit_at(d + 31 * P), Some((d, 32 * P)));
         assert_eq!(m.unit_at(d + 32 * P), Some((d + 32 * P, 8 * P)));
+    }
+
+    /// Memory moved away and back with no event between (a handle kept for its stream, taken
+    /// again by the next map there): the lists of kept handles stay as long as what is kept.
+    #[test]
+    fn handles_kept_and_taken_again_leave_no_trail() {
+        let mut m = PageMap::new(P);
+        let mut next = 0;
+        map(&mut m, A, 4, 1, &mut next);
+        for _ in 0..10_000 {
+            m.detach(A, 4 * P, Some(1), None).unwrap();
+            assert_eq!(
+                map(&mut m, A, 4, 1, &mut next),
+                [1, 0, 0, 0],
+                "its own mapping, back"
+            );
+        }
+        let kept: usize = m.kept.values().map(Vec::len).sum();
+        let kept_by: usize = m.kept_by.values().map(Vec::len).sum();
+        assert!(kept <= 2 * m.avail.len() + 65, "{kept} entries");
+        assert!(kept_by <= 2 * m.avail.len() + 65, "{kept_by} entries");
+        assert_eq!(next, 1, "one handle all along");
     }
 
     #[test]
