@@ -817,22 +817,22 @@ impl CachingPool {
 
     /// The job left plan `i`'s steps (an evaluation step, a new shape): the plan leaves its
     /// region at once, so that the dynamic pool has its memory, and waits dormant for the
-    /// job to come back to it.
+    /// job to come back to it; unless it has lost the job before one whole cycle of its events
+    /// [`MAX_SHORT_STAYS`] times in a row, then it is dissolved (the detector plans the job
+    /// anew if it comes back).
     fn plan_out_of_step(&mut self, i: usize) {
-        let p = &self.plans.plans[i];
-        let (held, cycle) = (p.seg != NIL, p.layout.prints.len() as u64);
-        let short = self.plans.repeats.events() < p.since + cycle;
-        self.plan_leave(i);
-        if held {
-            let p = &mut self.plans.plans[i];
+        let now = self.plans.repeats.events();
+        let p = &mut self.plans.plans[i];
+        if p.seg != NIL {
+            let short = now < p.since + p.layout.prints.len() as u64;
             p.short_stays = if short { p.short_stays + 1 } else { 0 };
             if p.short_stays >= MAX_SHORT_STAYS {
-                // it keeps losing the job at once: forgotten (the detector plans the job
-                // anew if it comes back)
-                self.plans.plans.remove(i);
                 self.stats.num_plans_dropped += 1;
+                self.plan_dissolve(i);
+                return;
             }
         }
+        self.plan_leave(i);
     }
 
     /// Find where the job stands in one of the plans from the last events.

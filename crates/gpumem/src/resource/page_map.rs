@@ -401,20 +401,14 @@ impl PageMap {
 
     fn keep(&mut self, h: Hid, stream: u64, event: Option<Ev>) {
         self.avail.insert(h, Avail::Kept { stream, event });
-        let bound = 2 * self.avail.len() + 64;
-        let avail = &self.avail;
         // stale entries (handles taken since) are skipped where the lists are read and dropped
         // when their event settles; a stream whose kept handles are taken again before that
         // (moved back and forth with no event between) drops them here, or its lists would
         // grow with every move
-        let list = self.kept.entry(stream).or_default();
-        list.push(h);
-        if list.len() > bound {
-            prune(
-                list,
-                |h| matches!(avail.get(h), Some(Avail::Kept { stream: s, .. }) if *s == stream),
-            );
-        }
+        self.kept.entry(stream).or_default().push(h);
+        self.trim_kept(stream);
+        let bound = self.list_bound();
+        let avail = &self.avail;
         let list = self.kept_by.entry((stream, event)).or_default();
         list.push(h);
         if list.len() > bound {
@@ -423,6 +417,29 @@ impl PageMap {
             });
         }
         self.hold(event, 1);
+    }
+
+    /// How long a list of kept handles may grow before its stale entries are dropped.
+    fn list_bound(&self) -> usize {
+        2 * self.avail.len() + 64
+    }
+
+    /// Drop the stale entries of `stream`'s list of kept handles once it is past
+    /// [`PageMap::list_bound`]; an emptied list goes.
+    fn trim_kept(&mut self, stream: u64) {
+        let bound = self.list_bound();
+        let avail = &self.avail;
+        if let Some(list) = self.kept.get_mut(&stream) {
+            if list.len() > bound {
+                prune(
+                    list,
+                    |h| matches!(avail.get(h), Some(Avail::Kept { stream: s, .. }) if *s == stream),
+                );
+            }
+            if list.is_empty() {
+                self.kept.remove(&stream);
+            }
+        }
     }
 
     fn put_spare(&mut self, h: Hid) {
@@ -789,18 +806,7 @@ impl PageMap {
                 self.drop_ref(event);
             }
         }
-        if let Some(list) = self.kept.get_mut(&stream) {
-            // drop stale entries now and then (taken handles stay listed until popped)
-            let avail = &self.avail;
-            if list.len() > 64 && list.len() > 2 * avail.len() {
-                list.retain(
-                    |h| matches!(avail.get(h), Some(Avail::Kept { stream: s, .. }) if *s == stream),
-                );
-            }
-            if list.is_empty() {
-                self.kept.remove(&stream);
-            }
-        }
+        self.trim_kept(stream);
         if let Some(ev) = event {
             // its lingering mappings are idle now
             for p in self.by_event.remove(&ev).unwrap_or_default() {
