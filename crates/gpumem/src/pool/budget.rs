@@ -8,7 +8,7 @@
 //! - credit accrues at [`SHARE`] of the time that passes on the backend's clock (wall time on a
 //!   GPU; a replay's clock is the trace's time plus its modelled calls), from nothing, up to
 //!   [`CAP_NS`];
-//! - moves are charged to it, growth is not: memory the job has never had is mapped whatever
+//! - moves are charged to it (in the dynamic pool and into a plan's region alike), growth is not: memory the job has never had is mapped whatever
 //!   it costs (any allocator pays for it; PyTorch's cudaMalloc too), and a job's first steps,
 //!   which map everything, would otherwise leave no credit for the moves of the step that
 //!   sets its high-water mark (gptfix on an H100: step 1's growth took ~20 ms, more than the

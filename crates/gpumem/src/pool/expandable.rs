@@ -308,7 +308,7 @@ impl CachingPool {
 
     /// Whether mapping `need` more bytes would pass the memory budget (`memory_fraction`,
     /// `memory_limit_mb`, `set_per_process_memory_fraction`), all shards counted.
-    fn over_limit(&self, need: u64) -> bool {
+    pub(super) fn over_limit(&self, need: u64) -> bool {
         self.backend
             .limit()
             .is_some_and(|l| self.shared.reserved.load(Ordering::Relaxed) + need > l)
@@ -467,6 +467,13 @@ impl CachingPool {
             }
             let runs = self.free_mapped_runs(seg, want - got, u64::MAX, None);
             got += self.unmap_runs(seg, runs);
+        }
+        // last, the pages of plans' regions that their plans do not use
+        for i in 0..self.plans.plans_len() {
+            if got >= want {
+                break;
+            }
+            got += self.plan_trim(i, want - got);
         }
         got
     }

@@ -263,6 +263,6 @@ impl CachingPool {
                 }
             }
         }
-        Ok(())
+        self.plan_check()
     }
 }

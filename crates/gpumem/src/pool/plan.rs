@@ -708,6 +708,11 @@ impl Plans {
         }
     }
 
+    /// Plans kept (in use or dormant).
+    pub(super) fn plans_len(&self) -> usize {
+        self.plans.len()
+    }
+
     /// Whether any plan work is under way (the allocation path looks no further otherwise).
     #[inline]
     pub(super) fn busy(&self) -> bool {
@@ -979,22 +984,31 @@ impl CachingPool {
         let Some(layout) = layout else {
             return;
         };
+        let mut before = self.plans.current;
         if self.plans.plans.len() >= MAX_PLANS {
             // the plan used longest ago makes room
             let old = (0..self.plans.plans.len())
                 .min_by_key(|&i| self.plans.plans[i].used)
                 .expect("MAX_PLANS > 0");
             self.plan_dissolve(old);
+            before = before
+                .filter(|&b| b != old)
+                .map(|b| b - usize::from(b > old));
         }
         self.stats.num_plans += 1;
         self.plans.plans.push(Plan::new(layout));
         self.plans.current = None;
         self.plan_resync();
+        // a plan that holds its region only while it is in step with the job
+        if let Some(b) = before.filter(|&b| self.plans.current != Some(b)) {
+            self.plan_leave(b);
+        }
     }
 
-    /// Map plan `i`'s region (at the start of its period, where it holds the fewest bytes):
-    /// free pages of the dynamic pool move there first, so that reserved memory does not grow
-    /// by the region.
+    /// Take plan `i`'s region (at the start of its period, where it holds the fewest bytes):
+    /// the stream's segment where the plan has a home, else a region of its own, whose pages
+    /// are mapped as its blocks come (`plan_map`). Nothing is unmapped here:
+    /// pages move only where the region's maps would pass the high-water mark.
     #[cold]
     fn plan_activate(&mut self, i: usize) -> Result<()> {
         let (bytes, stream, home) = {
@@ -1025,10 +1039,7 @@ impl CachingPool {
             // the segment is gone or changed: the plan has no home (its offsets keep their
             // gaps in a region of its own)
         }
-        // the dynamic pool's free pages go back first (waiting for the GPU once): the
-        // region's pages take their memory as its blocks come
         self.flush_quick();
-        self.reclaim_pages(Some(stream), u64::MAX, true);
         let r = self.plan_map_region(bytes, stream);
         match r {
             Ok(seg) => {
@@ -1124,17 +1135,20 @@ impl CachingPool {
         }
         self.segments[seg as usize].planned = true;
         self.plans.plans[i].seg = seg;
-        self.plan_trim(i);
         true
     }
 
-    /// Unmap the pages of plan `i`'s region that are free and that none of its blocks uses
-    /// (the dynamic layout left them mapped where the plan puts nothing), in its stream's
-    /// order: the region's own maps take their memory.
-    fn plan_trim(&mut self, i: usize) {
+    /// Unmap up to `want` bytes of the pages of plan `i`'s region that are free and that none
+    /// of its blocks uses (the dynamic layout left them mapped where the plan puts nothing),
+    /// in its stream's order; returns the bytes unmapped. Only when memory would otherwise
+    /// pass its high-water mark: the region's own maps, or the dynamic pool's, take them.
+    pub(super) fn plan_trim(&mut self, i: usize, want: u64) -> u64 {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let p = &self.plans.plans[i];
         let (seg, stream) = (p.seg, p.layout.stream);
+        if seg == NIL || want == 0 {
+            return 0;
+        }
         let mut used: Vec<(u64, u64)> = p
             .layout
             .slots
@@ -1155,23 +1169,28 @@ impl CachingPool {
         };
         let base = self.segments[seg as usize].addr;
         let Ok(vmm) = self.vmm() else {
-            return;
+            return 0;
         };
         let mut unused = Vec::new();
-        for (f, n) in self.free_mapped_runs(seg, u64::MAX, u64::MAX, Some(stream)) {
+        let mut bytes = 0;
+        'runs: for (f, n) in self.free_mapped_runs(seg, u64::MAX, u64::MAX, Some(stream)) {
             let mut q = f;
             while q < f + n {
+                if bytes >= want {
+                    break 'runs;
+                }
                 let (u0, u1) = match vmm.unit_at(base + q * page) {
                     Some((a, b)) if a >= base => ((a - base) / page, (a + b - base) / page),
                     _ => (q, q + 1),
                 };
                 if u0 >= f && u1 <= f + n && u1 > u0 && !touches(u0, u1) {
                     unused.push((u0, u1 - u0));
+                    bytes += (u1 - u0) * page;
                 }
                 q = u1.max(q + 1);
             }
         }
-        self.unmap_runs_after(seg, unused, stream, true);
+        self.unmap_runs_after(seg, unused, stream, true)
     }
 
     /// A new segment of `bytes` for `stream`, nothing mapped yet; returns it.
@@ -1193,9 +1212,11 @@ impl CachingPool {
 
     /// Map the pages under block `id` of a planned region that are not mapped yet (the
     /// region fills during the plan's first period, from then on it is all mapped): in whole
-    /// handles of the page map's grid, with free pages of the dynamic pool moved there first
-    /// (whatever the time budget: once per plan), so that the job's memory follows its live
-    /// bytes from the dynamic layout to the planned one.
+    /// handles of the page map's grid. Where that would pass the high-water mark, free pages
+    /// move there first (the region's own that the plan does not use, then the dynamic
+    /// pool's), within the time budget of page moves or where growing would pass the memory
+    /// budget, as in the dynamic pool: a job whose shape keeps changing takes plans up again
+    /// and again, so this is not once per plan.
     fn plan_map(&mut self, i: usize, id: u32) -> Result<()> {
         const GRID: u64 = 32;
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
@@ -1221,9 +1242,19 @@ impl CachingPool {
         };
         let need: u64 = runs.iter().map(|r| r.1).sum::<u64>() * page;
         let started = self.vmm()?.now_ns();
-        if self.stats.reserved() + need > self.high_water {
+        let high_water = self.high_water;
+        let over = (self.stats.reserved() + need).saturating_sub(high_water);
+        // past the high-water mark, pages move here (the region's own unused ones first)
+        // within the time budget, or where growing would pass the memory budget, as in the
+        // dynamic pool (see `budget.rs`); otherwise the region grows
+        let pressure = over > 0 && self.over_limit(need);
+        let peak = self.peak_allocated.max(self.stats.allocated());
+        let budgeted = over > 0 && !pressure && self.budget.may_move(started, peak);
+        if pressure || budgeted {
             self.stats.num_page_moves += 1;
-            self.reclaim_pages(Some(stream), need, false);
+            self.stats.num_pressure_moves += u64::from(pressure);
+            let got = self.plan_trim(i, over);
+            self.reclaim_pages(Some(stream), over.saturating_sub(got), false);
         }
         let base = self.segments[seg as usize].addr;
         let mut result = Ok(());
@@ -1246,8 +1277,12 @@ impl CachingPool {
         let _ = self.vmm().map(|v| v.finish_move(stream));
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
-        // the region's pages, mapped once: like growth, not charged to the moves' budget
-        self.budget.note_growth(started + took, took, false);
+        if budgeted {
+            self.budget.charge(took);
+        } else if !pressure {
+            self.budget
+                .note_growth(started + took, took, self.high_water > high_water);
+        }
         result
     }
 
@@ -1385,6 +1420,33 @@ impl CachingPool {
             .plans
             .iter()
             .any(|p| p.seg == seg && p.free_at.get(&addr) == Some(&id))
+    }
+
+    /// Only the plan in step with the job holds a region, and each planned segment is a plan's
+    /// (part of [`CachingPool::check_invariants`]).
+    pub(super) fn plan_check(&self) -> std::result::Result<(), String> {
+        let mut held = 0;
+        for (i, p) in self.plans.plans.iter().enumerate() {
+            if p.seg == NIL {
+                continue;
+            }
+            held += 1;
+            if self.plans.current != Some(i) {
+                return Err(format!("plan {i} holds a region out of step with the job"));
+            }
+            if !self.segments[p.seg as usize].planned {
+                return Err(format!("plan {i} holds a segment not marked planned"));
+            }
+        }
+        let planned = self
+            .segment_index
+            .values()
+            .filter(|&&s| self.segments[s as usize].planned)
+            .count();
+        if planned != held {
+            return Err(format!("{planned} planned segments for {held} plans"));
+        }
+        Ok(())
     }
 
     /// Bytes mapped in planned regions now.
