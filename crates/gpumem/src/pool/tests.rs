@@ -1266,3 +1266,29 @@ fn a_job_that_moves_between_shapes_holds_one_planned_region_and_does_not_churn()
     // not use as it took the segment, and the dynamic pool mapped them again after it
     assert!(planned.1 <= 240, "{planned:?} {dynamic:?}");
 }
+
+/// A job that comes back to a plan (lengths that recur) finds the same blocks in the way at
+/// the plan's start (its weights), and the plan keeps the offsets it was placed at last time
+/// instead of being placed again on the allocating thread.
+#[test]
+fn a_plan_taken_up_again_around_the_same_blocks_is_not_placed_again() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let weights = alloc(&mut p, A, 300 * MIB);
+    let mut rng = 11u64;
+    for _ in 0..40 {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let (scale, run) = (1 + (rng >> 33) % 3, 3 + (rng >> 40) % 3);
+        for _ in 0..run {
+            training_step(&mut p, 8, scale);
+        }
+    }
+    let s = p.stats();
+    let placed = (s.num_plans, p.plans.placed, p.plans.placed_again);
+    assert_eq!(s.num_plan_misses, 0);
+    // at most one placement a plan, at its first start; every later start keeps it
+    assert!(placed.1 <= placed.0, "{placed:?}");
+    assert!(placed.2 >= 12, "{placed:?}");
+    free(&mut p, weights);
+}
