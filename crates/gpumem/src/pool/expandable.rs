@@ -16,18 +16,6 @@ const MIN_ORDERED_RUN: u64 = 4;
 /// to 1.297 (mean over the families 1.022 -> 1.023).
 const SLACK: f64 = 0.002;
 
-/// Share of the memory the pool may use (the device's, or the memory budget's) below which
-/// free memory counts as nearly gone: growth then maps a block's shared edge pages with
-/// handles of their own (see `ensure_mapped`), at the cost of a handle or two more a block,
-/// so that the cache can give back what its free blocks hold. With a handle per run of up to
-/// 64 MiB, a free block that shares its edge handle with a live neighbour keeps the whole
-/// handle mapped: varlen under a 16 GiB cap on the H100 failed at a batch expandable_segments
-/// ran, asking 2.06 GiB with 1.78 GiB free and 368 MiB cached that nothing could unmap. Far
-/// from full, the edge handles are not worth their calls (on every replay, where the device
-/// is never full, cutting them always doubled the driver calls, and gptfix's long trace went
-/// from 1.012 to 1.116 of its live peak).
-const NEARLY_FULL: f64 = 0.125;
-
 /// `x / page` for the pool's page size, a power of two (`CachingPool::new` takes no other):
 /// a shift, not a division, on the hot path.
 #[inline]
@@ -229,24 +217,11 @@ impl CachingPool {
             (b.size, b.segment)
         };
         let base = self.segments[seg as usize].addr;
-        let (runs, p0, p1) = match self.pages_under(id, size) {
+        let runs = match self.pages_under(id, size) {
             // the common case, all mapped, costs one bitmap scan and no allocation
             Some((pages, p0, p1)) if pages.next_with(p0, p1, false) >= p1 => return Ok(0),
-            Some((pages, p0, p1)) => (pages.runs(p0, p1, false), p0, p1),
+            Some((pages, p0, p1)) => pages.runs(p0, p1, false),
             None => return Ok(0),
-        };
-        let runs = if self.nearly_full(runs.iter().map(|r| r.1).sum::<u64>() * page) {
-            // the block's first and last pages, where it shares them with a neighbour, are
-            // mapped with handles of their own: the pages between can go back whole once the
-            // block is free, whatever its neighbours hold
-            let addr = self.blocks[id as usize].addr - base;
-            edge_split(
-                runs,
-                (p0, addr % page != 0),
-                (p1, (addr + size) % page != 0),
-            )
-        } else {
-            runs
         };
         let need = runs.iter().map(|r| r.1).sum::<u64>() * page;
         if need == 0 {
@@ -329,24 +304,6 @@ impl CachingPool {
             self.budget.note_growth(started + took, took, new_high);
         }
         result
-    }
-
-    /// Whether mapping `need` more bytes leaves less than [`NEARLY_FULL`] of the memory the
-    /// pool may use free (the device's, or the memory budget's where one is set). Then memory
-    /// that the cache cannot give back is what fails the job, not the driver calls a map
-    /// makes (one query of the device a growth).
-    fn nearly_full(&self, need: u64) -> bool {
-        let Ok(m) = self.backend.mem_info() else {
-            return false;
-        };
-        let (free, total) = match self.backend.limit() {
-            Some(l) => {
-                let used = self.shared.reserved.load(Ordering::Relaxed);
-                (m.free.min(l.saturating_sub(used)), m.total.min(l))
-            }
-            None => (m.free, m.total),
-        };
-        (free.saturating_sub(need) as f64) < total as f64 * NEARLY_FULL
     }
 
     /// Whether mapping `need` more bytes would pass the memory budget (`memory_fraction`,
@@ -839,25 +796,4 @@ impl Pages {
         }
         to
     }
-}
-
-/// `runs` of pages `(first, count)` within `[p0, p1)`, with page `p0` cut off the run that
-/// starts there where `lo.1` (the block shares it), and page `p1 - 1` off the run that ends
-/// there where `hi.1`.
-fn edge_split(runs: Vec<(u64, u64)>, lo: (u64, bool), hi: (u64, bool)) -> Vec<(u64, u64)> {
-    let mut out = Vec::with_capacity(runs.len() + 2);
-    for (mut f, mut n) in runs {
-        if lo.1 && f == lo.0 && n > 1 {
-            out.push((f, 1));
-            f += 1;
-            n -= 1;
-        }
-        if hi.1 && f + n == hi.0 && n > 1 {
-            out.push((f, n - 1));
-            out.push((f + n - 1, 1));
-        } else {
-            out.push((f, n));
-        }
-    }
-    out
 }
