@@ -705,7 +705,7 @@ pub(super) struct Plans {
     planning: Option<Planning>,
     /// detector confirmations already acted on
     seen: u64,
-    /// plans placed at their start, and of those served by the last placement (tests)
+    /// starts that placed their plan, and starts that kept its last placement (for tests)
     pub(super) placed: u64,
     pub(super) placed_again: u64,
 }
