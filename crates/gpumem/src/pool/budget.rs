@@ -11,9 +11,10 @@
 //! - moves are charged to it (in the dynamic pool and into a plan's region alike), growth is
 //!   not: memory the job has never had is mapped whatever it costs (any allocator pays for
 //!   it; PyTorch's cudaMalloc too), and a job's first steps, which map everything, would
-//!   otherwise leave no credit for the moves of the step that sets its high-water mark (gptfix on an H100: step 1's growth took ~20 ms, more than the
-//!   credit holds, and step 2, where AdamW's state first sits beside the activations, could
-//!   move nothing: 1.057 of its peak where moves paid from the credit give 1.012);
+//!   otherwise leave no credit for the moves of the step that sets its high-water mark
+//!   (gptfix on an H100: step 1's growth took ~20 ms, more than the credit holds, and step
+//!   2, where AdamW's state first sits beside the activations, could move nothing: 1.057 of
+//!   its peak where moves paid from the credit give 1.012);
 //! - a move is made while there is credit; with none, it may still be paid from growth's
 //!   account, for an allocation that raises no peak of allocated bytes (a demand the job has
 //!   met before), as long as moves paid that way took less time than growth past the
