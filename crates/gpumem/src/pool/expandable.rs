@@ -235,17 +235,10 @@ impl CachingPool {
             .saturating_sub(self.allowance(peak));
         let started = self.vmm()?.now_ns();
         let high_water = self.high_water;
-        // beyond the allowance, pages move: where growing would pass the memory budget
-        // (whatever the time costs), or within the time budget (see `budget.rs`); otherwise
-        // the pool grows, as PyTorch's expandable segments do
-        let pressure = over > 0 && self.over_limit(need);
-        let budgeted =
-            over > 0 && !pressure && self.policy.moves && self.budget.may_move(started, peak);
+        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
         let mut moved = false;
         if pressure || budgeted {
             moved = true;
-            self.stats.num_page_moves += 1;
-            self.stats.num_pressure_moves += u64::from(pressure);
             // no waiting here: pages not yet known idle stay, new ones are mapped
             self.reclaim_pages(Some(stream), over, false);
         }
@@ -293,22 +286,51 @@ impl CachingPool {
         if moved {
             let _ = self.vmm().map(|v| v.finish_move(stream));
         }
+        self.account_page_work(started, budgeted, moved, high_water)?;
+        result
+    }
+
+    /// Whether a map of `need` bytes, `over` of them past what may be mapped without moving
+    /// pages, moves free pages first: `(pressure, budgeted)`. Where growing would pass the
+    /// memory budget, whatever the time costs; else within the time budget of page moves
+    /// (see `budget.rs`), where moves are on; otherwise the pool grows, as PyTorch's
+    /// expandable segments do. Counts the move.
+    pub(super) fn moves_now(&mut self, over: u64, need: u64, now: u64, peak: u64) -> (bool, bool) {
+        let pressure = over > 0 && self.over_limit(need);
+        let budgeted =
+            over > 0 && !pressure && self.policy.moves && self.budget.may_move(now, peak);
+        if pressure || budgeted {
+            self.stats.num_page_moves += 1;
+            self.stats.num_pressure_moves += u64::from(pressure);
+        }
+        (pressure, budgeted)
+    }
+
+    /// Account page work that began at `started` (the backend's clock) and ends now: moves
+    /// paid from the time budget (`budgeted`) are charged to it; a map that moved nothing
+    /// is growth, which fills growth's account where it raised the high-water mark (it was
+    /// `high_water` before); what fitting under the memory budget costs is not charged.
+    pub(super) fn account_page_work(
+        &mut self,
+        started: u64,
+        budgeted: bool,
+        moved: bool,
+        high_water: u64,
+    ) -> Result<()> {
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
-        // moves are charged to the budget; growth past the high-water mark fills growth's
-        // account; what fitting under the memory budget costs is not charged
         if budgeted {
             self.budget.charge(took);
         } else if !moved {
             let new_high = self.high_water > high_water;
             self.budget.note_growth(started + took, took, new_high);
         }
-        result
+        Ok(())
     }
 
     /// Whether mapping `need` more bytes would pass the memory budget (`memory_fraction`,
     /// `memory_limit_mb`, `set_per_process_memory_fraction`), all shards counted.
-    pub(super) fn over_limit(&self, need: u64) -> bool {
+    fn over_limit(&self, need: u64) -> bool {
         self.backend
             .limit()
             .is_some_and(|l| self.shared.reserved.load(Ordering::Relaxed) + need > l)
@@ -468,12 +490,9 @@ impl CachingPool {
             let runs = self.free_mapped_runs(seg, want - got, u64::MAX, None);
             got += self.unmap_runs(seg, runs);
         }
-        // last, the pages of plans' regions that their plans do not use
-        for i in 0..self.plans.plans_len() {
-            if got >= want {
-                break;
-            }
-            got += self.plan_trim(i, want - got);
+        // last, the pages of the planned region that its plan does not use
+        if got < want {
+            got += self.plan_trim_current(want - got);
         }
         got
     }

@@ -719,11 +719,6 @@ impl Plans {
         }
     }
 
-    /// Plans kept (in use or dormant).
-    pub(super) fn plans_len(&self) -> usize {
-        self.plans.len()
-    }
-
     /// Whether any plan work is under way (the allocation path looks no further otherwise).
     #[inline]
     pub(super) fn busy(&self) -> bool {
@@ -1239,8 +1234,9 @@ impl CachingPool {
     /// handles of the page map's grid. Where that would pass the high-water mark, free pages
     /// move there first (the region's own that the plan does not use, then the dynamic
     /// pool's), within the time budget of page moves or where growing would pass the memory
-    /// budget, as in the dynamic pool: a job whose shape keeps changing takes plans up again
-    /// and again, so this is not once per plan.
+    /// budget, as in the dynamic pool (`moves_now`; none where page moves are off): a job
+    /// whose shape keeps changing takes plans up again and again, so this is not once per
+    /// plan.
     fn plan_map(&mut self, i: usize, id: u32) -> Result<()> {
         const GRID: u64 = 32;
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
@@ -1268,15 +1264,11 @@ impl CachingPool {
         let started = self.vmm()?.now_ns();
         let high_water = self.high_water;
         let over = (self.stats.reserved() + need).saturating_sub(high_water);
-        // past the high-water mark, pages move here (the region's own unused ones first)
-        // within the time budget, or where growing would pass the memory budget, as in the
-        // dynamic pool (see `budget.rs`); otherwise the region grows
-        let pressure = over > 0 && self.over_limit(need);
+        // past the high-water mark, pages move here (the region's own unused ones first) as
+        // in the dynamic pool; otherwise the region grows
         let peak = self.peak_allocated.max(self.stats.allocated());
-        let budgeted = over > 0 && !pressure && self.budget.may_move(started, peak);
+        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
         if pressure || budgeted {
-            self.stats.num_page_moves += 1;
-            self.stats.num_pressure_moves += u64::from(pressure);
             let got = self.plan_trim(i, over);
             self.reclaim_pages(Some(stream), over.saturating_sub(got), false);
         }
@@ -1299,14 +1291,7 @@ impl CachingPool {
             }
         }
         let _ = self.vmm().map(|v| v.finish_move(stream));
-        let took = self.vmm()?.now_ns().saturating_sub(started);
-        self.stats.page_map_ns += took;
-        if budgeted {
-            self.budget.charge(took);
-        } else if !pressure {
-            self.budget
-                .note_growth(started + took, took, self.high_water > high_water);
-        }
+        self.account_page_work(started, budgeted, pressure, high_water)?;
         result
     }
 
@@ -1444,6 +1429,11 @@ impl CachingPool {
             .plans
             .iter()
             .any(|p| p.seg == seg && p.free_at.get(&addr) == Some(&id))
+    }
+
+    /// [`CachingPool::plan_trim`] for the plan in step, the only one that holds a region.
+    pub(super) fn plan_trim_current(&mut self, want: u64) -> u64 {
+        self.plans.current.map_or(0, |i| self.plan_trim(i, want))
     }
 
     /// Only the plan in step with the job holds a region, and each planned segment is a plan's
