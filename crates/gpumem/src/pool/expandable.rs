@@ -542,6 +542,14 @@ impl CachingPool {
             }
             id = b.next;
         }
+        // (a planned region's free blocks are not coalesced: neighbours are one part)
+        free.dedup_by(|b, a| {
+            let joined = a.0 + a.1 == b.0;
+            if joined {
+                a.1 += b.1;
+            }
+            joined
+        });
         free
     }
 

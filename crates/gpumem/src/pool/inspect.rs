@@ -140,7 +140,9 @@ impl CachingPool {
                 }
                 match b.state {
                     State::Free => {
-                        if prev_free {
+                        // (a planned region's free blocks join only when a request
+                        // needs their bytes together)
+                        if prev_free && !s.planned {
                             return Err(format!("uncoalesced free neighbours at {:#x}", b.addr));
                         }
                         if s.planned {

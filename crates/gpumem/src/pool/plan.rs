@@ -1295,17 +1295,41 @@ impl CachingPool {
         result
     }
 
-    /// Take `[off, off + size)` of plan `i`'s region, if it is free.
+    /// Take `[off, off + size)` of plan `i`'s region, if it is free: the free blocks there
+    /// (freed blocks stay as they were until a request needs their bytes, so that a slot
+    /// whose bytes no other slot shares takes its block back as it was) become one.
     fn plan_carve(&mut self, i: usize, off: u64, size: u64) -> Option<u32> {
         let seg = self.plans.plans[i].seg;
         let addr = self.segments[seg as usize].addr + off;
+        let end = addr + size;
         let (&at, &id) = self.plans.plans[i].free_at.range(..=addr).next_back()?;
-        let b = &self.blocks[id as usize];
-        if b.addr + b.size < addr + size {
+        // the free blocks from `id` on must reach `end` with nothing handed out between
+        let (mut last, mut reach) = {
+            let b = &self.blocks[id as usize];
+            (id, b.addr + b.size)
+        };
+        if reach <= addr {
             return None;
+        }
+        while reach < end {
+            let n = self.blocks[last as usize].next;
+            if n == NIL || self.blocks[n as usize].state != State::Free {
+                return None;
+            }
+            reach += self.blocks[n as usize].size;
+            last = n;
         }
         self.plans.plans[i].free_at.remove(&at);
         self.unmark_inactive(id);
+        let mut joined = id;
+        while joined != last {
+            joined = self.blocks[id as usize].next;
+            self.plans.plans[i]
+                .free_at
+                .remove(&self.blocks[joined as usize].addr);
+            self.unmark_inactive(joined);
+            self.absorb_next(id);
+        }
         self.blocks[id as usize].state = State::Allocated;
         let mut id = id;
         if at < addr {
@@ -1341,31 +1365,14 @@ impl CachingPool {
         self.segments[self.blocks[id as usize].segment as usize].planned
     }
 
-    /// Return block `id` of a planned region to it, coalesced with its free neighbours.
+    /// Return block `id` of a planned region to it, as it is: its free neighbours join it
+    /// only when a request needs their bytes together (`plan_carve`).
     pub(super) fn plan_release(&mut self, id: u32) {
         let seg = self.blocks[id as usize].segment;
         let Some(i) = self.plans.plans.iter().position(|p| p.seg == seg) else {
             debug_assert!(false, "a planned segment without its plan");
             return;
         };
-        let mut id = id;
-        let prev = self.blocks[id as usize].prev;
-        if prev != NIL && self.blocks[prev as usize].state == State::Free {
-            self.plans.plans[i]
-                .free_at
-                .remove(&self.blocks[prev as usize].addr);
-            self.unmark_inactive(prev);
-            self.absorb_next(prev);
-            id = prev;
-        }
-        let next = self.blocks[id as usize].next;
-        if next != NIL && self.blocks[next as usize].state == State::Free {
-            self.plans.plans[i]
-                .free_at
-                .remove(&self.blocks[next as usize].addr);
-            self.unmark_inactive(next);
-            self.absorb_next(id);
-        }
         self.plan_enter_free(i, id);
     }
 
@@ -1396,14 +1403,22 @@ impl CachingPool {
             self.segments[seg as usize].addr,
             self.policy.page.unwrap_or(MIN_BLOCK),
         );
+        // (free neighbours become one, as the free sets expect)
+        let mut merged: Vec<u32> = Vec::with_capacity(free.len());
         for (_, id) in free {
+            self.unmark_inactive(id);
+            match merged.last() {
+                Some(&m) if self.blocks[m as usize].next == id => self.absorb_next(m),
+                _ => merged.push(id),
+            }
+        }
+        for id in merged {
             let b = &self.blocks[id as usize];
             let (lo, hi) = page_span(b.addr - base, b.size, page);
             let tick = self.tick;
             if let Some(pages) = self.segments[seg as usize].pages.as_mut() {
                 pages.mark_freed(lo, hi, tick);
             }
-            self.unmark_inactive(id);
             self.enter_free(id);
         }
         self.checkpoint_on_free(stream, true, false);

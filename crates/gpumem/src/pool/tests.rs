@@ -904,6 +904,51 @@ fn vmm_calls(d: &SimulatedDevice) -> u64 {
     c.creates + c.maps + c.set_access + c.unmaps + c.releases + c.records
 }
 
+/// A planned region's freed blocks stay as they are until a request needs their bytes
+/// together (a slot whose bytes no other slot shares takes its block back as it was): the
+/// region's blocks stay as many at every step's end, the plan serves every request, and a
+/// region the plan leaves (an odd step) is coalesced for the free sets.
+#[test]
+fn a_planned_region_joins_free_blocks_only_where_a_request_needs_their_bytes() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let weights = alloc(&mut p, A, 300 * MIB);
+    let region_blocks = |p: &CachingPool| -> usize {
+        p.segments()
+            .iter()
+            .filter(|g| g.planned)
+            .map(|g| g.blocks.len())
+            .sum()
+    };
+    for _ in 0..6 {
+        training_step(&mut p, 12, 1);
+    }
+    let (served, missed) = (p.stats().num_plan_allocs, p.stats().num_plan_misses);
+    assert!(served > 0);
+    let mut counts = Vec::new();
+    for _ in 0..12 {
+        training_step(&mut p, 12, 1);
+        counts.push(region_blocks(&p));
+    }
+    // (the step's 36 blocks share bytes: a temporary's go to an activation, the activations'
+    // to gradients; every request is served, and a step leaves the region as it found it)
+    assert_eq!(p.stats().num_plan_allocs, served + 12 * 36);
+    assert_eq!(p.stats().num_plan_misses, missed);
+    assert!(
+        counts.iter().all(|&c| c == counts[0] && c <= 2 * 36 + 1),
+        "{counts:?}"
+    );
+    // an odd step: the plan leaves its region, whose free blocks join (`alloc` checks the
+    // invariants: no free neighbours outside a planned region), and takes it up after
+    let x = alloc(&mut p, A, 40 * MIB);
+    assert_eq!(region_blocks(&p), 0);
+    free(&mut p, x);
+    for _ in 0..3 {
+        training_step(&mut p, 12, 1);
+    }
+    assert!(p.stats().num_plan_allocs >= served + 14 * 36);
+    free(&mut p, weights);
+}
+
 /// A job that repeats gets a planned layout: from its fourth step on, its blocks take their
 /// planned offsets with no driver call, its memory stays within a few per cent of its live
 /// peak, an odd step in between (evaluation) goes to the dynamic pool and the plan resumes
