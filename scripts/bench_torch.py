@@ -856,6 +856,16 @@ def main():
     p.add_argument("--first", type=int, help="capacity: the first batch tried where native is not run")
     p.add_argument("--probe", nargs=3, metavar=("JOB", "SETTING", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    if a.worker or a.probe:
+        # a run started by hand gets the environment its setting is measured in (the parent
+        # gives it to its children; without it a probe ran with cuBLAS's default workspace, and
+        # `expandable` as native: varlen at batch 18 under a 16 GiB cap failed 4 of 4 that way
+        # for gpumem and expandable alike, and passed 4 of 4 for both from the parent). Set
+        # before torch is imported, so PyTorch reads it.
+        setting = (a.worker or a.probe)[1]
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        os.environ.update({k: v for k, v in child_env(setting, here).items() if k != "PYTHONPATH"})
     if a.worker:
         worker(a.worker[0], a.worker[1], a.steps)
         return 0
@@ -865,7 +875,6 @@ def main():
     if a.capacity:
         capacity(a.capacity.split(","), a.settings.split(","), a.steps, int(a.cap_gb * 2**30), a.json, a.first)
         return 0
-    here = os.path.dirname(os.path.abspath(__file__))
     results = []
     for w in a.workloads.split(","):
         for s in a.settings.split(","):
