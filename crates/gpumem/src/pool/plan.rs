@@ -40,6 +40,12 @@ const MAX_PLANS: usize = 4;
 /// events; then it is dissolved (a plan whose first events match another phase's would
 /// otherwise take its region at every step of that phase and leave it a few events later).
 const MAX_SHORT_STAYS: u32 = 3;
+/// Starts at which a plan placed around the blocks in its way would take more than 1% past
+/// the high-water mark (`worth_planning`) before it is declined for good: the start right
+/// after a plan is made finds the job's layout as its first steps left it, the next one (a
+/// period later) as it settled (gptfix's trace with the GPU 3000 calls behind: declined at
+/// the first, taken up at the second).
+const MAX_DECLINES: u32 = 2;
 /// The greedy orders [`place`] tries (see [`order`]).
 const ORDERS: usize = 4;
 /// Orders [`place`] also tries with the largest blocks shuffled (see [`order`]).
@@ -618,9 +624,10 @@ pub(super) struct Plan {
     free_at: BTreeMap<u64, u32>,
     /// pool tick when the plan was last in step
     used: u64,
-    /// the plan would take more memory than the dynamic layout holds: it is kept (so that
-    /// the job is not planned again) and never serves
-    declined: bool,
+    /// starts at which the plan would have taken more memory than the dynamic layout holds;
+    /// at [`MAX_DECLINES`] it is declined: kept (so that the job is not planned again), it
+    /// never serves
+    declines: u32,
     /// the detector's event count when the plan last took its region
     since: u64,
     /// times in a row it left its region before a whole cycle (see [`MAX_SHORT_STAYS`])
@@ -655,7 +662,7 @@ impl Plan {
             seg: NIL,
             free_at: BTreeMap::new(),
             used: 0,
-            declined: false,
+            declines: 0,
             since: 0,
             short_stays: 0,
             placed_around: None,
@@ -855,7 +862,17 @@ impl CachingPool {
         let h = self.plans.repeats.hash();
         for (i, p) in self.plans.plans.iter_mut().enumerate() {
             if let Some(&next) = p.windows.get(&h) {
-                p.cursor = Some(next);
+                // a plan of two periods indexes the first one's positions, and its second
+                // period repeats them: following the job there (or at the start, which the
+                // end of the first equals) takes the plan up at its start, the only place it
+                // is taken up, a period sooner
+                let half = p.layout.half;
+                let two = p.layout.prints.len() as u32 == 2 * half;
+                p.cursor = Some(match next % half {
+                    _ if !two => next,
+                    0 => 0,
+                    r => r + half,
+                });
                 self.plans.current = Some(i);
                 return;
             }
@@ -1021,7 +1038,7 @@ impl CachingPool {
             let l = &self.plans.plans[i].layout;
             (l.region, l.stream, l.home)
         };
-        if self.plans.plans[i].declined {
+        if self.plans.plans[i].declines >= MAX_DECLINES {
             return Err(Error::InvalidArgument("the plan was declined".into()));
         }
         if let Some((seg, addr)) = home {
@@ -1034,8 +1051,17 @@ impl CachingPool {
                     .map_or(0, |p| p.mapped * page);
                 let region = self.plans.plans[i].layout.region;
                 if !worth_planning(self.stats.reserved(), mapped, region, self.high_water) {
-                    self.plans.plans[i].declined = true;
-                    self.stats.num_plans_declined += 1;
+                    let p = &mut self.plans.plans[i];
+                    p.declines += 1;
+                    if p.declines == MAX_DECLINES {
+                        self.stats.num_plans_declined += 1;
+                    }
+                    // a plan of two periods tries again at the next period's start: the
+                    // job is followed in the second period's copy of where it stands
+                    let half = p.layout.half;
+                    if p.layout.prints.len() as u32 == 2 * half {
+                        p.cursor = p.cursor.map(|c| if c < half { c + half } else { c });
+                    }
                     return Err(Error::InvalidArgument("the plan was declined".into()));
                 }
             }
@@ -1444,6 +1470,16 @@ impl CachingPool {
             .plans
             .iter()
             .any(|p| p.seg == seg && p.free_at.get(&addr) == Some(&id))
+    }
+
+    /// Each plan's length in events and the job's period (twice the period: a plan of two).
+    #[cfg(test)]
+    pub(super) fn plan_lengths(&self) -> Vec<(u32, u32)> {
+        self.plans
+            .plans
+            .iter()
+            .map(|p| (p.layout.prints.len() as u32, p.layout.half))
+            .collect()
     }
 
     /// [`CachingPool::plan_trim`] for the plan in step, the only one that holds a region.

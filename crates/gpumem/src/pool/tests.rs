@@ -949,6 +949,41 @@ fn a_planned_region_joins_free_blocks_only_where_a_request_needs_their_bytes() {
     free(&mut p, weights);
 }
 
+/// A plan of two periods (a block lives into the next step, as a loss kept for logging does)
+/// is taken up at the next start of either period: the step after the one in which it was
+/// made serves from it (up to a period later before: the job was followed in the first
+/// period's positions, whose start comes once in two steps).
+#[test]
+fn a_plan_of_two_periods_is_taken_up_at_the_next_start_of_either_period() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let weights = alloc(&mut p, A, 300 * MIB);
+    let mut carried = alloc(&mut p, A, 5 * MIB);
+    let (mut made, mut served) = (None, None);
+    for step in 0..12 {
+        let before = p.stats().num_plan_allocs;
+        training_step(&mut p, 12, 1);
+        let next = alloc(&mut p, A, 5 * MIB);
+        free(&mut p, carried);
+        carried = next;
+        if made.is_none() && p.stats().num_plans > 0 {
+            made = Some(step);
+        }
+        if served.is_none() && p.stats().num_plan_allocs > before {
+            served = Some(step);
+        }
+    }
+    let (len, period) = p.plan_lengths()[0];
+    assert_eq!(len, 2 * period, "a plan of two periods");
+    let (made, served) = (made.unwrap(), served.unwrap());
+    assert!(
+        served <= made + 1,
+        "made in step {made}, served from step {served}"
+    );
+    assert_eq!(p.stats().num_plan_misses, 0);
+    free(&mut p, carried);
+    free(&mut p, weights);
+}
+
 /// A job that repeats gets a planned layout: from its fourth step on, its blocks take their
 /// planned offsets with no driver call, its memory stays within a few per cent of its live
 /// peak, an odd step in between (evaluation) goes to the dynamic pool and the plan resumes
