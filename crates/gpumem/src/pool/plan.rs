@@ -669,6 +669,22 @@ impl Plan {
         }
     }
 
+    /// The position equivalent to `c` from which the plan's start, the only place it is
+    /// taken up, comes soonest. A plan of two periods indexes the first one's positions, and
+    /// its second period repeats them: the job is followed in the second period's copy (or
+    /// at the start, which the end of the first equals), so that the start comes at the end
+    /// of the current period, not a period later.
+    fn soonest_copy(&self, c: u32) -> u32 {
+        let half = self.layout.half;
+        if self.layout.prints.len() as u32 != 2 * half {
+            return c;
+        }
+        match c % half {
+            0 => 0,
+            r => r + half,
+        }
+    }
+
     /// Move the cursor over an event with print `print`; returns the position it matched.
     #[inline]
     fn step(&mut self, print: u64) -> Option<u32> {
@@ -862,17 +878,7 @@ impl CachingPool {
         let h = self.plans.repeats.hash();
         for (i, p) in self.plans.plans.iter_mut().enumerate() {
             if let Some(&next) = p.windows.get(&h) {
-                // a plan of two periods indexes the first one's positions, and its second
-                // period repeats them: following the job there (or at the start, which the
-                // end of the first equals) takes the plan up at its start, the only place it
-                // is taken up, a period sooner
-                let half = p.layout.half;
-                let two = p.layout.prints.len() as u32 == 2 * half;
-                p.cursor = Some(match next % half {
-                    _ if !two => next,
-                    0 => 0,
-                    r => r + half,
-                });
+                p.cursor = Some(p.soonest_copy(next));
                 self.plans.current = Some(i);
                 return;
             }
@@ -1056,12 +1062,8 @@ impl CachingPool {
                     if p.declines == MAX_DECLINES {
                         self.stats.num_plans_declined += 1;
                     }
-                    // a plan of two periods tries again at the next period's start: the
-                    // job is followed in the second period's copy of where it stands
-                    let half = p.layout.half;
-                    if p.layout.prints.len() as u32 == 2 * half {
-                        p.cursor = p.cursor.map(|c| if c < half { c + half } else { c });
-                    }
+                    // (a plan of two periods tries again at the next period's start)
+                    p.cursor = p.cursor.map(|c| p.soonest_copy(c));
                     return Err(Error::InvalidArgument("the plan was declined".into()));
                 }
             }
