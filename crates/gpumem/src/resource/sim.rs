@@ -141,8 +141,6 @@ struct SimState {
     next_move_event: usize,
     /// the event of the move in progress, shared by its unmaps (as the CUDA engine does)
     move_event: Option<(u64, usize)>,
-    /// stale lingering pages waiting for the background unmap (see `PageMap::take_stale`)
-    stale: Vec<Evict>,
     /// the host's time outside the allocator's driver calls, ns ([`SimulatedDevice::set_time_us`])
     time_ns: u64,
     /// what its driver calls cost on the clock ([`SimulatedDevice::set_cost`])
@@ -296,7 +294,6 @@ impl SimulatedDevice {
             s.pending.retain(|_, due| *due > now);
         }
         s.settle_moves(false);
-        s.drain_stale(None);
     }
 
     /// The host's clock reads `us` microseconds, not counting the driver calls the allocator
@@ -453,7 +450,6 @@ impl VirtualMemory for SimulatedDevice {
                 "simulated release_address of {addr:#x}: page {page:#x} still mapped"
             )));
         }
-        s.drain_stale(Some((addr, bytes)));
         let evict = s.pages.take_lingering_in(addr, bytes);
         s.evict(&evict, false);
         s.pages.unmapped_evictions(&evict);
@@ -531,7 +527,6 @@ impl VirtualMemory for SimulatedDevice {
         let pending = s.pages.pending_moves().len() as u64;
         s.driver.waits += pending;
         s.settle_moves(true);
-        s.drain_stale(None);
         let spares = s.pages.take_spares();
         s.release(spares);
     }
@@ -555,7 +550,6 @@ impl SimulatedDevice {
         let mut s = self.state.lock();
         check_pages(&s, addr, bytes, false)?;
         s.settle_moves(false);
-        s.drain_stale(Some((addr, bytes)));
         let plan = s.pages.plan_map(addr, bytes, stream)?;
         s.evict(&plan.evict, true);
         s.pages.evicted(&plan);
@@ -594,9 +588,6 @@ impl SimulatedDevice {
             .collect();
         s.record_map(&plan, new);
         let excess = s.pages.commit(plan, &created);
-        let stale = s.pages.take_stale();
-        s.stale.extend(stale);
-        s.drain_stale(None);
         s.handles += new;
         s.used += new_pages * s.pages.page();
         s.release(excess);
@@ -646,27 +637,6 @@ impl SimState {
         } else {
             self.driver.background += n;
             self.driver.unmaps_background += n;
-        }
-    }
-
-    /// Unmap the stale pages (see `PageMap::take_stale`) whose old work the GPU has passed,
-    /// off the allocating thread as the CUDA engine's worker does; those in `within` (a map
-    /// or a release there) now in any case, which waits for their work if it has not run.
-    fn drain_stale(&mut self, within: Option<(DevPtr, u64)>) {
-        if self.stale.is_empty() {
-            return;
-        }
-        let stale = std::mem::take(&mut self.stale);
-        let (moves, clock) = (&self.moves, self.clock);
-        let (now, rest): (Vec<Evict>, Vec<Evict>) = stale.into_iter().partition(|e| {
-            let due = e.event.and_then(|ev| moves.get(&ev)).map_or(0, |m| m.1);
-            due <= clock || within.is_some_and(|(a, b)| e.addr >= a && e.addr < a + b)
-        });
-        self.stale = rest;
-        if !now.is_empty() {
-            self.evict(&now, false);
-            self.pages.unmapped_evictions(&now);
-            self.pages.take_idle_events();
         }
     }
 

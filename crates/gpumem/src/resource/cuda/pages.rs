@@ -16,9 +16,7 @@
 //!   addresses unmapped first);
 //! - access is set once per newly mapped run of pages, not per page;
 //! - a lingering address is unmapped only when a map needs it for another handle (after the
-//!   event of its old work, if that has not completed) or when its range is given back, or,
-//!   where memory does not come back to it (`PageMap::take_stale`), by the worker once its
-//!   handle is live elsewhere;
+//!   event of its old work, if that has not completed) or when its range is given back;
 //! - the worker thread waits for the events of moves in stream order, after which the handles
 //!   they left are spare, and releases handles beyond the cap.
 //!
@@ -42,8 +40,6 @@ enum Job {
     Release(Vec<Release>),
     /// a move in stream order: once `event` has completed, what `stream` kept is spare
     Settle { stream: u64, event: usize },
-    /// stale lingering pages (see `PageMap::take_stale`): unmap each after its event
-    Unmap(Vec<Evict>),
 }
 
 #[derive(Debug, Default)]
@@ -333,12 +329,7 @@ impl Pages {
         }
         let mut st = self.state.lock();
         let excess = st.map.commit(plan, &created);
-        let stale = st.map.take_stale();
-        if stale.is_empty() {
-            drop(st);
-        } else {
-            self.enqueue(st, Job::Unmap(stale));
-        }
+        drop(st);
         self.release_later(excess);
         Ok(())
     }
@@ -513,15 +504,6 @@ impl Pages {
                 st.map.settle_kept(stream, Some(event));
                 st.map.release_event(event);
                 self.recycle_events(&mut st);
-            }
-            Job::Unmap(pages) => {
-                self.unmap_pages(&pages, background);
-                let mut st = self.state.lock();
-                st.map.unmapped_evictions(&pages);
-                self.recycle_events(&mut st);
-                drop(st);
-                // a map there may be waiting
-                self.done.notify_all();
             }
         }
     }
@@ -703,11 +685,6 @@ impl Pages {
                     }
                 }
                 Job::Settle { event, .. } => events.push(event),
-                Job::Unmap(pages) => {
-                    for e in pages {
-                        self.unmap_one(e.addr, e.pages);
-                    }
-                }
             }
         }
         for (p, n) in all.mappings {
@@ -733,8 +710,8 @@ impl Pages {
     }
 }
 
-/// The worker: waits for the events of moves in stream order (then their handles are spare),
-/// unmaps stale lingering pages and releases handles beyond the spare cap. It holds only a
+/// The worker: waits for the events of moves in stream order (then their handles are spare)
+/// and releases handles beyond the spare cap. It holds only a
 /// weak reference, so dropping the device ends it.
 fn worker(pages: std::sync::Weak<Pages>) {
     let Some(p) = pages.upgrade() else {
@@ -765,11 +742,10 @@ fn worker(pages: std::sync::Weak<Pages>) {
             st.working = true;
             std::mem::take(&mut st.queued)
         };
-        // releases first, then unmaps, settles last: a settle may wait for a long kernel
+        // releases first, settles last: a settle may wait for a long kernel
         batch.sort_by_key(|j| match j {
             Job::Release(_) => 0,
-            Job::Unmap(_) => 1,
-            Job::Settle { .. } => 2,
+            Job::Settle { .. } => 1,
         });
         for job in batch {
             p.run(job, true);
