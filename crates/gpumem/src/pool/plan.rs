@@ -303,7 +303,7 @@ struct Placer<'a> {
     /// each life's held positions as two intervals (see [`Life::spans`])
     spans: Vec<[u32; 4]>,
     /// each life's held positions in 64 buckets of the period, a bit each: lives whose masks
-    /// share no bit never meet (most pairs, the exact test is left for the rest)
+    /// share no bit never meet, and skip the exact test
     masks: Vec<u64>,
     /// the fixed ranges, sorted
     fixed: Vec<(u64, u64)>,
