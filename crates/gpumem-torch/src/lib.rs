@@ -456,6 +456,16 @@ pub extern "C" fn gpumem_largest_free_block(device: c_int) -> u64 {
     })
 }
 
+/// The largest block one allocation on `device` could take now: its largest free block or
+/// the device's free memory within the budget, whichever is more (`cacheInfo`, as PyTorch's
+/// own allocator answers it: cuDNN sizes its workspaces by it); 0 if no device.
+#[no_mangle]
+pub extern "C" fn gpumem_largest_available_block(device: c_int) -> u64 {
+    guard(0, || {
+        allocator(device).map_or(0, |a| a.largest_available_block())
+    })
+}
+
 /// Copy `v` into `out` (at most `cap` values); returns `v.len()`, what the whole answer needs.
 ///
 /// # Safety
@@ -1083,6 +1093,14 @@ mod tests {
         assert_eq!(gpumem_free_ptr(p), -1, "a double free is refused");
         assert_eq!(gpumem_free_ptr(std::ptr::null_mut()), 0);
         assert!(gpumem_largest_free_block(0) >= 5120);
+        // cacheInfo as PyTorch's own allocator answers it: the device's free memory within
+        // the budget, or a larger cached block
+        let cached = gpumem_largest_free_block(0);
+        assert!(gpumem_largest_available_block(0) > cached);
+        assert_eq!(gpumem_set_memory_fraction(1e-9, 0), 0);
+        assert_eq!(gpumem_largest_available_block(0), cached);
+        assert_eq!(gpumem_set_memory_fraction(1.0, 0), 0);
+        assert_eq!(gpumem_largest_available_block(7), 0);
         let q = gpumem_alloc(3000, 0, s);
         // SAFETY: a null buffer asks for the size only; then `flat` holds `n` values.
         let n = unsafe { gpumem_segments_flat(0, std::ptr::null_mut(), 0) };

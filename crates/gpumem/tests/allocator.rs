@@ -100,6 +100,27 @@ fn memory_limit_gives_oom_then_recovers() {
     assert!(dev.counters().used <= 100 * MIB);
 }
 
+/// What PyTorch's `cacheInfo` gets (its own allocator: free memory, or a larger cached block;
+/// cuDNN sizes its convolutions' workspaces by it): the device's free memory within the
+/// budget, or the largest free block where that is more.
+#[test]
+fn the_largest_available_block_is_free_memory_within_the_budget() {
+    let (a, _) = Device::simulated(1000 * MIB, Config::default()).unwrap();
+    assert_eq!(a.largest_available_block(), 1000 * MIB);
+    let (a, _) =
+        Device::simulated(1000 * MIB, Config::parse("memory_limit_mb:100").unwrap()).unwrap();
+    assert_eq!(a.largest_available_block(), 100 * MIB);
+    let x = a.allocate(S, (60 * MIB) as usize, 256).unwrap();
+    let reserved = a.stats().reserved_bytes.all.current;
+    assert_eq!(a.largest_available_block(), 100 * MIB - reserved);
+    a.deallocate(x).unwrap();
+    assert_eq!(a.largest_free_block(), reserved);
+    assert_eq!(
+        a.largest_available_block(),
+        reserved.max(100 * MIB - reserved)
+    );
+}
+
 #[test]
 fn memory_fraction_is_a_budget() {
     let (a, _) =

@@ -391,6 +391,33 @@ def checkpoint():
 check("allocator checkpoints (getCheckpointState / setCheckpointPoolState)", checkpoint)
 
 
+def cache_info():
+    # cuDNN's convolutions size their workspace by cacheInfo: PyTorch's allocator answers with
+    # the device's free memory, or a larger cached block (the cache alone would hold them to
+    # slower algorithms)
+    from torch.utils.cpp_extension import load_inline
+
+    src = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+int64_t largest() {
+  size_t largest = 0;
+  c10::cuda::CUDACachingAllocator::cacheInfo(c10::cuda::current_device(), &largest);
+  return static_cast<int64_t>(largest);
+}
+"""
+    m = load_inline("gpumem_cache_info", cpp_sources=src, functions=["largest"], with_cuda=True)
+    held = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del held
+    got = m.largest()
+    free, _ = torch.cuda.mem_get_info()
+    assert got >= 0.95 * free and got >= 256 << 20, (got, free)
+    return f"{got >> 20} MiB (device free {free >> 20} MiB)"
+
+
+check("cacheInfo: free memory or the largest cached block, as native", cache_info)
+
+
 def overhead():
     n = 20000
     for _ in range(100):

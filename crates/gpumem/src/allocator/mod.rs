@@ -582,6 +582,18 @@ impl CachingAllocator {
             .unwrap_or(0)
     }
 
+    /// The largest block one allocation could take now without anything being freed: the
+    /// largest free cached block, or the device's free memory (within the memory budget)
+    /// where that is more. This is what PyTorch's own allocator reports to `cacheInfo`
+    /// (free memory as the first guess, then its cached blocks), and what cuDNN's
+    /// convolutions size their workspace by: reporting the cache alone would hold them to
+    /// slower algorithms with small workspaces whenever the cache runs tight (a planned
+    /// layout, memory moved to where it is needed).
+    pub fn largest_available_block(&self) -> u64 {
+        let free = self.inner.backend.mem_info().map_or(0, |m| m.free);
+        self.largest_free_block().max(free)
+    }
+
     /// True when the pools use expandable (virtual-memory) segments.
     pub fn expandable(&self) -> bool {
         self.shard(0).expandable()

@@ -48,6 +48,7 @@ void gpumem_reset_peak(int device);
 void gpumem_reset_accumulated(int device);
 int gpumem_stats_values(int device, const char* const* keys, int64_t* out, size_t n);
 uint64_t gpumem_largest_free_block(int device);
+uint64_t gpumem_largest_available_block(int device);
 size_t gpumem_segments_flat(int device, uint64_t* out, size_t cap);
 void gpumem_record_history(int on, size_t max_entries, int clear);
 uint64_t gpumem_history_set_tag(uint64_t tag);
@@ -455,8 +456,15 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   bool isEnabled() const override {
     return enabled_;
   }
+  // As PyTorch's own allocator answers it: a zero `*largest` asks for a first guess, the
+  // device's free memory (here within gpumem's budget); then the largest cached block, where
+  // that is more. cuDNN's convolutions size their workspace by the answer (the cache alone
+  // would hold them to slower algorithms whenever it runs tight).
   void cacheInfo(c10::DeviceIndex dev, size_t* largest) override {
-    *largest = static_cast<size_t>(gpumem_largest_free_block(dev));
+    if (*largest == 0) {
+      *largest = static_cast<size_t>(gpumem_largest_available_block(dev));
+    }
+    *largest = std::max(*largest, static_cast<size_t>(gpumem_largest_free_block(dev)));
   }
   // the classic segment that holds `ptr` (a block in virtual-memory pages has none, as with
   // PyTorch's expandable segments)
