@@ -550,17 +550,9 @@ def run_serve(torch, iterations):
         yield total
 
 
-def worker(workload, setting, steps):
-    if setting.startswith("gpumem"):
-        import gpumem_torch
-
-        gpumem_torch.install()
-    import torch
-
-    torch.manual_seed(0)
-    torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    gen = {
+def workload_steps(torch, workload, steps):
+    """The steps of `workload` (a generator: each step yields its loss, or a total)."""
+    return {
         "gpt": lambda: run_gpt(torch, steps, False),
         "gptfix": lambda: run_gptfix(torch, steps),
         "vit": lambda: run_vit(torch, steps),
@@ -575,6 +567,19 @@ def worker(workload, setting, steps):
         "accum": lambda: run_accum(torch, steps),
         "unet": lambda: run_unet(torch, steps),
     }[workload]()
+
+
+def worker(workload, setting, steps):
+    if setting.startswith("gpumem"):
+        import gpumem_torch
+
+        gpumem_torch.install()
+    import torch
+
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    gen = workload_steps(torch, workload, steps)
     times, losses = [], []
     warm = 3
     calls_at_warm = None
