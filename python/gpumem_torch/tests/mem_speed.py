@@ -5,7 +5,7 @@ up to 64 MiB, mapped where the blocks need them, where PyTorch's allocator hands
 cudaMalloc segments. This times bandwidth- and TLB-bound kernels on tensors from the current
 allocator, after some churn (so that the pages are not one fresh run): a 1 GiB copy, an add
 over 4 GiB, random row gathers from an 8 GiB table (4 KiB and 256 B rows: a kernel that
-touches thousands of pages), and a bf16 matmul. Needs about 28 GiB free.
+touches thousands of pages), and a bf16 matmul. Takes about 28 GiB; runs where 30 GiB are free (else says it skipped).
 
 `python mem_speed.py native|gpumem|expandable` (gpumem installs itself first; run
 `expandable` with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Prints ms per kernel, the
