@@ -10,8 +10,10 @@ Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching 
 backend:cudaMallocAsync, `gpumem` is gpumem_torch.install() (GPUMEM_CONF applies), and
 `gpumem_classic` is gpumem with classic segments (expandable_segments:False);
 `gpumem/KEY:VALUE+KEY:VALUE` is gpumem with that GPUMEM_CONF. The table
-gives the median step time after warm-up, peak reserved / peak allocated bytes (the
-allocator's own memory_stats), and whether the losses are identical to native's.
+gives the median step time after warm-up, the process's host speed (`host ms`: a fixed piece
+of CPU work, timed before and after the steps; a slow host moment makes a host-bound job's
+steps slow whichever allocator runs), peak reserved / peak allocated bytes (the allocator's
+own memory_stats), and whether the losses are identical to native's.
 
 Workloads (seeded; bf16 autocast where training):
   gpt     12-layer d=1024 decoder (nn.TransformerEncoder), batch 8 x 1024 tokens, AdamW
@@ -569,6 +571,20 @@ def workload_steps(torch, workload, steps):
     }[workload]()
 
 
+def host_ms(torch):
+    """ms for a fixed piece of CPU work (4M random numbers on a CPU generator, median of 5):
+    how fast this process's host runs. Jobs whose steps are bound by the host (launches,
+    autograd: unet, vit) move with it from process to process, whichever allocator runs
+    (README, "Per call on a real step"), so the table shows it beside each step time."""
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.randn(1 << 22, generator=g)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def worker(workload, setting, steps):
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -579,6 +595,7 @@ def worker(workload, setting, steps):
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True, warn_only=True)
+    host_before = host_ms(torch)
     gen = workload_steps(torch, workload, steps)
     times, losses = [], []
     warm = 3
@@ -616,6 +633,7 @@ def worker(workload, setting, steps):
         # the next step's time starts here: reading the statistics is not the job's time
         t = time.perf_counter()
     total = (time.perf_counter() - start) * 1e3
+    host = (host_before + host_ms(torch)) / 2
     if setting.startswith("gpumem"):
         import gpumem_torch
 
@@ -633,6 +651,7 @@ def worker(workload, setting, steps):
         "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
         "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
         "losses": losses,
+        "host_ms": host,
     }
     if setting.startswith("gpumem"):
         out["gpumem"] = {
@@ -897,11 +916,11 @@ def main():
             results.append(res)
             print(
                 f"  {w:<7} {s:<11} step {res['step_ms']:9.2f} ms  ratio "
-                f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}",
+                f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  host {res.get('host_ms', 0):.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )
-    print(f"{'workload':<8} {'setting':<11} {'step ms':>10} {'vs native':>9} "
+    print(f"{'workload':<8} {'setting':<11} {'step ms':>10} {'vs native':>9} {'host ms':>8} "
           f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses")
     for w in a.workloads.split(","):
         base = next((r for r in results if r["workload"] == w and r["setting"] == "native" and "error" not in r), None)
@@ -923,7 +942,7 @@ def main():
                          f"last-10 fg {g.get('vmm_calls_foreground_per_late_step', 0):.1f} "
                          f"plans {g.get('num_plans', 0)} "
                          f"(declined {g.get('num_plans_declined', 0)})")
-            print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} "
+            print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} {r.get('host_ms', 0):8.1f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")
     if a.json:
