@@ -557,14 +557,15 @@ impl PageMap {
             while q < stop {
                 let p = addr + q * page;
                 let left = stop - q;
-                let mut found = None;
-                while found.is_none() {
+                let found = loop {
                     let Some(k) = free.iter().position(|&(s, _)| s <= left) else {
-                        break;
+                        break None;
                     };
                     let (_, h) = free.remove(k);
-                    found = self.take_if_usable(h, stream).map(|a| (h, a));
-                }
+                    if let Some(a) = self.take_if_usable(h, stream) {
+                        break Some((h, a));
+                    }
+                };
                 match found {
                     Some((h, a)) => {
                         if let Avail::Kept { event, .. } = a {

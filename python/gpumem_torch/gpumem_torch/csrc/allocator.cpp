@@ -461,10 +461,10 @@ class GpumemAllocator final : public CCA::CUDAAllocator {
   // that is more. cuDNN's convolutions size their workspace by the answer (the cache alone
   // would hold them to slower algorithms whenever it runs tight).
   void cacheInfo(c10::DeviceIndex dev, size_t* largest) override {
-    if (*largest == 0) {
-      *largest = static_cast<size_t>(gpumem_largest_available_block(dev));
-    }
-    *largest = std::max(*largest, static_cast<size_t>(gpumem_largest_free_block(dev)));
+    // (the available block already counts the largest cached one)
+    const uint64_t ours = *largest == 0 ? gpumem_largest_available_block(dev)
+                                        : gpumem_largest_free_block(dev);
+    *largest = std::max(*largest, static_cast<size_t>(ours));
   }
   // the classic segment that holds `ptr` (a block in virtual-memory pages has none, as with
   // PyTorch's expandable segments)

@@ -327,9 +327,7 @@ impl Pages {
             self.state.lock().map.abandon(plan, &created);
             return Err(e);
         }
-        let mut st = self.state.lock();
-        let excess = st.map.commit(plan, &created);
-        drop(st);
+        let excess = self.state.lock().map.commit(plan, &created);
         self.release_later(excess);
         Ok(())
     }
