@@ -585,6 +585,14 @@ def host_ms(torch):
     return statistics.median(times)
 
 
+def job_settings(torch):
+    """The settings every workload runs under: seeded, cuDNN's benchmark off, deterministic
+    algorithms (warnings only)."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def worker(workload, setting, steps):
     if setting.startswith("gpumem"):
         import gpumem_torch
@@ -592,9 +600,7 @@ def worker(workload, setting, steps):
         gpumem_torch.install()
     import torch
 
-    torch.manual_seed(0)
-    torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    job_settings(torch)
     host_before = host_ms(torch)
     gen = workload_steps(torch, workload, steps)
     times, losses = [], []

@@ -26,9 +26,7 @@ import bench_torch  # noqa: E402
 workload, who = sys.argv[-2], sys.argv[-1]
 warm = int(os.environ.get("WARM", "6"))
 profiled = int(os.environ.get("PROFILED", "4"))
-torch.manual_seed(0)
-torch.backends.cudnn.benchmark = False
-torch.use_deterministic_algorithms(True, warn_only=True)
+bench_torch.job_settings(torch)
 steps = bench_torch.workload_steps(torch, workload, warm + profiled)
 for _ in range(warm):
     next(steps)
