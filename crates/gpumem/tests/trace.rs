@@ -419,6 +419,7 @@ fn the_cost_model_keeps_driver_time_within_one_percent_on_every_real_trace() {
         "torch_resres_train.jsonl.gz",
         "torch_serve.jsonl.gz",
         "torch_vit_train.jsonl.gz",
+        "torch_gptenc_train.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         for conf in ["", "expandable_segments:False"] {
@@ -566,6 +567,14 @@ fn real_traces_with_a_lagging_gpu() {
         // by free memory inside handles live blocks hold part of, before a plan can exist
         // (the H100: 1.028)
         ("torch_vit_train.jsonl.gz", 1.025),
+        // bench_torch's `gpt` (nn.TransformerEncoder, 12 layers, d 1024, batch 8 x 1024, bf16
+        // autocast, AdamW; recorded on the H100 with the native allocator, 12 steps; native
+        // 1.090): 1.0098 / 1.0124 / 1.0129. The H100 with gpumem gave 1.025 in two processes
+        // and 1.057 in a third: the moves of step 2, where the peak is set, are paid from a
+        // credit that accrues with wall time since the first page call, and step 1's time
+        // (one-time initialisation) differs from process to process. At three times the
+        // model's driver costs the replay gives 1.0251.
+        ("torch_gptenc_train.jsonl.gz", 1.013),
     ];
     for (name, bound) in cases {
         let events = read_trace(&data(name)).unwrap();
