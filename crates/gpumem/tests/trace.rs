@@ -569,11 +569,11 @@ fn real_traces_with_a_lagging_gpu() {
         ("torch_vit_train.jsonl.gz", 1.025),
         // bench_torch's `gpt` (nn.TransformerEncoder, 12 layers, d 1024, batch 8 x 1024, bf16
         // autocast, AdamW; recorded on the H100 with the native allocator, 12 steps; native
-        // 1.090): 1.0098 / 1.0124 / 1.0129. The H100 with gpumem gave 1.025 in two processes
-        // and 1.057 in a third: the moves of step 2, where the peak is set, are paid from a
-        // credit that accrues with wall time since the first page call, and step 1's time
-        // (one-time initialisation) differs from process to process. At three times the
-        // model's driver costs the replay gives 1.0251.
+        // 1.090): 1.0098 / 1.0124 / 1.0129. The H100 with gpumem gives 1.010, 1.025 or 1.057
+        // by process: the first steps' moves are paid from a credit that accrues with wall time
+        // since the first page call, and whether a request that needs pages in step 1 or 2
+        // finds credit at its moment differs from process to process (README, "Every workload,
+        // every setting"). At three times the model's driver costs the replay gives 1.0251.
         ("torch_gptenc_train.jsonl.gz", 1.013),
     ];
     for (name, bound) in cases {
