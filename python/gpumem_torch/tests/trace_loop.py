@@ -57,8 +57,7 @@ for e in step:
     if e["action"] == "alloc" and e["addr"] not in freed_in_step:
         held_over.setdefault(e["size"], []).append(nslots)
         nslots += 1
-take = {s: list(v) for s, v in held_over.items()}
-give = {s: list(v) for s, v in held_over.items()}
+take, give = held_over, {s: list(v) for s, v in held_over.items()}
 slot_of, free_slots, ops = {}, [], []
 for e in step:
     a = e["addr"]
