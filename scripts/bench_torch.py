@@ -3,6 +3,7 @@
 
     python scripts/bench_torch.py [--workloads gpt,varlen,resnet,kv,mixed]
                                   [--settings native,expandable,async,gpumem] [--json out.json]
+    python scripts/bench_torch.py --lockstep --workloads gptfix --settings native,gpumem
     python scripts/bench_torch.py --capacity [gptfix,varlen,lora] --cap-gb 16 --steps 10
 
 Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
@@ -14,6 +15,13 @@ gives the median step time after warm-up, the process's host speed (`host ms`: a
 of CPU work, timed before and after the steps; a slow host moment makes a host-bound job's
 steps slow whichever allocator runs), peak reserved / peak allocated bytes (the allocator's
 own memory_stats), and whether the losses are identical to native's.
+
+With --lockstep, a workload's settings run side by side, each in a fresh process, one step
+each in turn (the order reversed every other step; kv and serve, timed as whole runs, run one
+after another as usual): whatever slows the machine for a while slows every setting alike,
+and `vs native` is the median of the step-by-step ratios. What stays is each process's own
+speed, which on the H100 machines differs by up to 20% between two processes of the same
+allocator run this way (README, "Step times side by side").
 
 Workloads (seeded; bf16 autocast where training):
   gpt     12-layer d=1024 decoder (nn.TransformerEncoder), batch 8 x 1024 tokens, AdamW
@@ -49,6 +57,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 SETTINGS = {
@@ -593,7 +602,10 @@ def job_settings(torch):
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def worker(workload, setting, steps):
+def worker(workload, setting, steps, lockstep=False):
+    """Run `workload` under `setting` and print its RESULT line. With `lockstep`, each step
+    waits for a line on stdin and its time is printed (`STEPTIME ms`) as soon as it ends: the
+    parent runs the settings' processes in turns (see `lockstep_run`)."""
     if setting.startswith("gpumem"):
         import gpumem_torch
 
@@ -610,14 +622,18 @@ def worker(workload, setting, steps):
     late = max(warm, steps - 10)
     calls_at_late = None
     torch.cuda.synchronize()
+    turns = LockstepSteps(gen) if lockstep else None
     start = time.perf_counter()
     t = start
-    for loss in gen:
+    for loss in turns or gen:
         losses.append(float(loss))
         torch.cuda.synchronize()
         now = time.perf_counter()
-        times.append((now - t) * 1e3)
+        # in lockstep, a step's time starts when its turn comes, not while the others run
+        times.append((now - (turns.started if turns else t)) * 1e3)
         t = now
+        if lockstep:
+            print(f"STEPTIME {times[-1]:.4f}", flush=True)
         if len(times) == warm and setting.startswith("gpumem"):
             import gpumem_torch
 
@@ -681,6 +697,91 @@ def worker(workload, setting, steps):
                 stats.get("vmm_calls_foreground", 0) - calls_at_late.get("vmm_calls_foreground", 0)
             ) / (len(times) - late)
     print("RESULT " + json.dumps(out), flush=True)
+
+
+class LockstepSteps:
+    """`gen`'s steps, each started only when a line arrives on stdin (the parent's turn);
+    `started` is when the step last yielded began (after its turn came)."""
+
+    def __init__(self, gen):
+        self.it = iter(gen)
+        self.started = time.perf_counter()
+
+    def __iter__(self):
+        while sys.stdin.readline():
+            self.started = time.perf_counter()
+            try:
+                loss = next(self.it)
+            except StopIteration:
+                return
+            yield loss
+
+
+def lockstep_run(workload, settings, steps, here):
+    """Run `workload` under every setting at once, each in a fresh process, taking turns one
+    step at a time (the order reversed every other step), so that whatever slows the machine
+    for a while slows every setting alike. Returns each setting's result, with the step
+    times measured in the same turns."""
+    procs, errs = [], []
+    for s in settings:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", workload, s,
+               "--steps", str(steps), "--lockstep"]
+        # stderr to a file: a pipe nobody reads while the turns go on would fill and block
+        errs.append(tempfile.TemporaryFile(mode="w+"))
+        procs.append(subprocess.Popen(cmd, env=child_env(s, here), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=errs[-1], text=True))
+    failed = set()
+    # each process's stdout lines read during the turns (a finished one's RESULT among them)
+    seen = [[] for _ in procs]
+    for i in range(steps):
+        order = range(len(procs)) if i % 2 == 0 else reversed(range(len(procs)))
+        for j in order:
+            if j in failed:
+                continue
+            p = procs[j]
+            try:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            except BrokenPipeError:
+                failed.add(j)
+                continue
+            # wait for this step's time (other lines, such as warnings, are skipped)
+            while True:
+                line = p.stdout.readline()
+                if not line:
+                    failed.add(j)  # it ended (finished early, or crashed: its exit tells)
+                    break
+                if line.startswith("STEPTIME "):
+                    break
+                seen[j].append(line)
+    results = []
+    for s, p, e, before in zip(settings, procs, errs, seen):
+        try:
+            p.stdin.close()
+        except BrokenPipeError:
+            pass
+        out = "".join(before) + p.stdout.read()
+        p.wait(timeout=900)
+        e.seek(0)
+        err = e.read()
+        e.close()
+        line = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        if p.returncode != 0 or not line:
+            print(f"{workload}/{s} failed (exit {p.returncode}):\n{err[-3000:]}", file=sys.stderr)
+            results.append({"workload": workload, "setting": s, "error": err[-2000:]})
+            continue
+        res = json.loads(line[-1][len("RESULT "):])
+        res["step_stats"] = [l for l in err.splitlines() if l.startswith("STEP ")]
+        results.append(res)
+    return results
+
+
+def paired_ratio(r, base, warm=3):
+    """Median over the steps after warm-up of `r`'s step time / `base`'s same step (lockstep
+    runs: the two ran in turns), or None."""
+    a, b = r.get("times_ms", []), base.get("times_ms", [])
+    pairs = [x / y for x, y in list(zip(a, b))[warm:] if y > 0]
+    return statistics.median(pairs) if pairs else None
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -878,6 +979,9 @@ def main():
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="write all results here")
+    p.add_argument("--lockstep", action="store_true",
+                   help="run a workload's settings side by side, one step each in turn "
+                   "(timings paired step by step; kv and serve, timed whole, run one by one)")
     p.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "SETTING"), help=argparse.SUPPRESS)
     p.add_argument("--capacity", metavar="JOBS", nargs="?", const=",".join(CAPACITY_JOBS),
                    help="capacity benchmark instead: the largest batch each setting runs with "
@@ -897,7 +1001,7 @@ def main():
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         os.environ.update({k: v for k, v in child_env(setting, here).items() if k != "PYTHONPATH"})
     if a.worker:
-        worker(a.worker[0], a.worker[1], a.steps)
+        worker(a.worker[0], a.worker[1], a.steps, a.lockstep)
         return 0
     if a.probe:
         probe(a.probe[0], a.probe[1], int(a.probe[2]), a.steps, int(a.cap_gb * 2**30))
@@ -907,6 +1011,14 @@ def main():
         return 0
     results = []
     for w in a.workloads.split(","):
+        if a.lockstep and w not in WHOLE_RUN:
+            for res in lockstep_run(w, a.settings.split(","), a.steps, here):
+                results.append(res)
+                if "error" not in res:
+                    print(f"  {w:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
+                          f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  "
+                          f"(lockstep)", file=sys.stderr, flush=True)
+            continue
         for s in a.settings.split(","):
             env = child_env(s, here)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", w, s, "--steps", str(a.steps)]
@@ -927,7 +1039,8 @@ def main():
                 flush=True,
             )
     print(f"{'workload':<8} {'setting':<11} {'step ms':>10} {'vs native':>9} {'host ms':>8} "
-          f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses")
+          f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses"
+          + ("  (lockstep: vs native is the median of step-by-step ratios)" if a.lockstep else ""))
     for w in a.workloads.split(","):
         base = next((r for r in results if r["workload"] == w and r["setting"] == "native" and "error" not in r), None)
         for r in (r for r in results if r["workload"] == w):
@@ -935,6 +1048,8 @@ def main():
                 print(f"{w:<8} {r['setting']:<11} failed")
                 continue
             rel = r["step_ms"] / base["step_ms"] if base else float("nan")
+            if a.lockstep and base and w not in WHOLE_RUN:
+                rel = paired_ratio(r, base) or float("nan")
             same = "identical" if base and r["losses"] == base["losses"] else (
                 "n/a" if not base else
                 f"max rel diff {max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r['losses'], base['losses'])):.1e}")
