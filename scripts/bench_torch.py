@@ -19,7 +19,8 @@ own memory_stats), and whether the losses are identical to native's.
 With --lockstep, a workload's settings run side by side, each in a fresh process, one step
 each in turn (the order reversed every other step; kv and serve, timed as whole runs, run one
 after another as usual): whatever slows the machine for a while slows every setting alike,
-and `vs native` is the median of the step-by-step ratios. What stays is each process's own
+and `vs native` is the median of the step-by-step ratios (`host ms` is rougher there: its
+timings run while the other processes start and finish). What stays is each process's own
 speed, which on the H100 machines differs by up to 20% between two processes of the same
 allocator run this way (README, "Step times side by side").
 
