@@ -766,15 +766,20 @@ def lockstep_run(workload, settings, steps, here):
         e.seek(0)
         err = e.read()
         e.close()
-        line = [l for l in out.splitlines() if l.startswith("RESULT ")]
-        if p.returncode != 0 or not line:
-            print(f"{workload}/{s} failed (exit {p.returncode}):\n{err[-3000:]}", file=sys.stderr)
-            results.append({"workload": workload, "setting": s, "error": err[-2000:]})
-            continue
-        res = json.loads(line[-1][len("RESULT "):])
-        res["step_stats"] = [l for l in err.splitlines() if l.startswith("STEP ")]
-        results.append(res)
+        results.append(worker_result(workload, s, p.returncode, out, err))
     return results
+
+
+def worker_result(workload, setting, returncode, out, err):
+    """A worker process's result from its exit code, stdout and stderr: its RESULT line with
+    the per-step lines of BENCH_STEP_STATS=1 kept beside it, or an error entry (reported)."""
+    line = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    if returncode != 0 or not line:
+        print(f"{workload}/{setting} failed (exit {returncode}):\n{err[-3000:]}", file=sys.stderr)
+        return {"workload": workload, "setting": setting, "error": err[-2000:]}
+    res = json.loads(line[-1][len("RESULT "):])
+    res["step_stats"] = [l for l in err.splitlines() if l.startswith("STEP ")]
+    return res
 
 
 def paired_ratio(r, base, warm=3):
@@ -1024,15 +1029,10 @@ def main():
             env = child_env(s, here)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", w, s, "--steps", str(a.steps)]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            line = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-            if r.returncode != 0 or not line:
-                print(f"{w}/{s} failed (exit {r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
-                results.append({"workload": w, "setting": s, "error": r.stderr[-2000:]})
-                continue
-            res = json.loads(line[-1][len("RESULT "):])
-            # the per-step lines of BENCH_STEP_STATS=1, kept with the result
-            res["step_stats"] = [l for l in r.stderr.splitlines() if l.startswith("STEP ")]
+            res = worker_result(w, s, r.returncode, r.stdout, r.stderr)
             results.append(res)
+            if "error" in res:
+                continue
             print(
                 f"  {w:<7} {s:<11} step {res['step_ms']:9.2f} ms  ratio "
                 f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  host {res.get('host_ms', 0):.1f} ms",
