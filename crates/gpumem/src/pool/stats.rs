@@ -131,7 +131,8 @@ pub struct Stats {
     /// of those, moves made because growing would pass the memory budget or the device was
     /// out of memory (made whatever the time budget; their time is in `page_map_ns`)
     pub num_pressure_moves: u64,
-    /// nanoseconds charged to the time budget of page moves (see `pool/budget.rs`): over
+    /// nanoseconds charged to the time budget of page moves (see `pool/budget.rs`: moves,
+    /// and maps below the high-water mark of reserved bytes, of memory moves unmapped): over
     /// the first T, at most 1% of T plus `page_growth_ns`, plus 10 ms and three of the longest
     /// move; over any later interval in which the job does not grow, 1% of it and 10 ms more
     pub page_move_ns: u64,
