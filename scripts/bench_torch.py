@@ -3,7 +3,7 @@
 
     python scripts/bench_torch.py [--workloads gpt,varlen,resnet,kv,mixed]
                                   [--settings native,expandable,async,gpumem] [--json out.json]
-    python scripts/bench_torch.py --lockstep --workloads gptfix --settings native,gpumem
+    python scripts/bench_torch.py --lockstep --workloads gptfix --settings native,gpumem [--groups 20]
     python scripts/bench_torch.py --capacity [gptfix,varlen,lora] --cap-gb 16 --steps 10
 
 Each (workload, setting) runs in a fresh process: `native` is PyTorch's caching allocator,
@@ -22,7 +22,10 @@ after another as usual): whatever slows the machine for a while slows every sett
 and `vs native` is the median of the step-by-step ratios (`host ms` is rougher there: its
 timings run while the other processes start and finish). What stays is each process's own
 speed, which on the H100 machines differs by up to 20% between two processes of the same
-allocator run this way (README, "Step times side by side").
+allocator run this way (README, "Step times side by side"). With --groups N the settings run
+in N such groups, their order rotated from group to group, and each workload ends with the
+pooled ratios: every group's steps after the first --skip, median, 10th percentile (the fast
+level) and mean over native's, with 95% intervals from resampling whole groups.
 
 Workloads (seeded; bf16 autocast where training):
   gpt     12-layer d=1024 decoder (nn.TransformerEncoder), batch 8 x 1024 tokens, AdamW
@@ -782,6 +785,42 @@ def worker_result(workload, setting, returncode, out, err):
     return res
 
 
+def pooled_ratios(groups, skip, draws=2000, seed=1):
+    """Lockstep groups (each a dict setting -> its processes' step times in ms, one list per
+    process: a setting may run twice in a group) pooled: for every setting but native, its
+    steps after the first `skip` of every group together, over native's: the ratio of the
+    medians, of the 10th percentiles (the machine's fast level: on the H100 machines a
+    process's steps move between levels some 30% apart for stretches of steps, whatever the
+    allocator), and of the means, the first two with a 95% interval from resampling whole
+    groups (a process's own speed is what varies most, so the group, not the step, is the
+    unit). Returns {setting: {"median": (ratio, low, high), "p10": (...), "mean": ratio,
+    "groups": n}}."""
+    import random
+
+    def p10(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 10]
+
+    def ratio(sample, s, f):
+        a = [t for g in sample for run in g[s] for t in run[skip:]]
+        b = [t for g in sample for run in g["native"] for t in run[skip:]]
+        return f(a) / f(b) if a and b else float("nan")
+
+    rng = random.Random(seed)
+    out = {}
+    settings = [s for s in groups[0] if s != "native"] if groups else []
+    for s in settings:
+        have = [g for g in groups if s in g and "native" in g]
+        if not have:
+            continue
+        res = {"mean": ratio(have, s, statistics.mean), "groups": len(have)}
+        for name, f in (("median", statistics.median), ("p10", p10)):
+            boot = sorted(ratio([rng.choice(have) for _ in have], s, f) for _ in range(draws))
+            res[name] = (ratio(have, s, f), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1])
+        out[s] = res
+    return out
+
+
 def paired_ratio(r, base, warm=3):
     """Median over the steps after warm-up of `r`'s step time / `base`'s same step (lockstep
     runs: the two ran in turns), or None."""
@@ -985,6 +1024,11 @@ def main():
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="write all results here")
+    p.add_argument("--groups", type=int, default=1,
+                   help="lockstep: run this many groups of the settings per workload, the "
+                        "order rotated from group to group, and report the pooled ratios")
+    p.add_argument("--skip", type=int, default=6,
+                   help="lockstep groups: steps left out of the pooled ratios at each start")
     p.add_argument("--lockstep", action="store_true",
                    help="run a workload's settings side by side, one step each in turn "
                    "(timings paired step by step; kv and serve, timed whole, run one by one)")
@@ -1016,14 +1060,25 @@ def main():
         capacity(a.capacity.split(","), a.settings.split(","), a.steps, int(a.cap_gb * 2**30), a.json, a.first)
         return 0
     results = []
+    pooled = {}
     for w in a.workloads.split(","):
         if a.lockstep and w not in WHOLE_RUN:
-            for res in lockstep_run(w, a.settings.split(","), a.steps, here):
-                results.append(res)
-                if "error" not in res:
-                    print(f"  {w:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
-                          f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  "
-                          f"(lockstep)", file=sys.stderr, flush=True)
+            settings = a.settings.split(",")
+            groups = []
+            for g in range(max(a.groups, 1)):
+                order = settings[g % len(settings):] + settings[:g % len(settings)]
+                times = {}
+                for res in lockstep_run(w, order, a.steps, here):
+                    res["group"] = g
+                    results.append(res)
+                    if "error" not in res:
+                        times.setdefault(res["setting"], []).append(res["times_ms"])
+                        print(f"  {w:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
+                              f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  "
+                              f"(lockstep, group {g})", file=sys.stderr, flush=True)
+                groups.append(times)
+            if a.groups > 1:
+                pooled[w] = pooled_ratios(groups, a.skip)
             continue
         for s in a.settings.split(","):
             env = child_env(s, here)
@@ -1043,8 +1098,11 @@ def main():
           f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses"
           + ("  (lockstep: vs native is the median of step-by-step ratios)" if a.lockstep else ""))
     for w in a.workloads.split(","):
-        base = next((r for r in results if r["workload"] == w and r["setting"] == "native" and "error" not in r), None)
+        first = next((r for r in results if r["workload"] == w and r["setting"] == "native" and "error" not in r), None)
         for r in (r for r in results if r["workload"] == w):
+            # a lockstep group's rows are compared with that group's native process
+            base = next((b for b in results if b["workload"] == w and b["setting"] == "native"
+                         and "error" not in b and b.get("group") == r.get("group")), first)
             if "error" in r:
                 print(f"{w:<8} {r['setting']:<11} failed")
                 continue
@@ -1067,6 +1125,12 @@ def main():
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} {r.get('host_ms', 0):8.1f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
                   f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")
+    for w, by in pooled.items():
+        for st, r in by.items():
+            (med, lo, hi), (fast, flo, fhi) = r["median"], r["p10"]
+            print(f"{w:<8} {st:<11} pooled over {r['groups']} groups (steps after {a.skip}), over "
+                  f"native's: median {med:.4f} (95% {lo:.4f}-{hi:.4f}), 10th percentile {fast:.4f} "
+                  f"(95% {flo:.4f}-{fhi:.4f}), mean {r['mean']:.4f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
