@@ -808,7 +808,8 @@ def pooled_ratios(groups, skip, draws=2000, seed=1):
 
     rng = random.Random(seed)
     out = {}
-    settings = [s for s in groups[0] if s != "native"] if groups else []
+    # every setting any group has (a group whose process of it failed lacks it)
+    settings = list(dict.fromkeys(s for g in groups for s in g if s != "native"))
     for s in settings:
         have = [g for g in groups if s in g and "native" in g]
         if not have:
