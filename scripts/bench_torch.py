@@ -728,8 +728,7 @@ def lockstep_run(workload, settings, steps, here):
     times measured in the same turns."""
     procs, errs = [], []
     for s in settings:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", workload, s,
-               "--steps", str(steps), "--lockstep"]
+        cmd = worker_cmd(workload, s, steps, lockstep=True)
         # stderr to a file: a pipe nobody reads while the turns go on would fill and block
         errs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(subprocess.Popen(cmd, env=child_env(s, here), stdin=subprocess.PIPE,
@@ -771,6 +770,19 @@ def lockstep_run(workload, settings, steps, here):
         e.close()
         results.append(worker_result(workload, s, p.returncode, out, err))
     return results
+
+
+def worker_cmd(workload, setting, steps, lockstep=False):
+    """The command line of a fresh worker process running `workload` under `setting`."""
+    return ([sys.executable, os.path.abspath(__file__), "--worker", workload, setting,
+             "--steps", str(steps)] + (["--lockstep"] if lockstep else []))
+
+
+def progress(res, tail):
+    """One finished worker's line on stderr: step time and peak reserved / allocated."""
+    print(f"  {res['workload']:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
+          f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  {tail}",
+          file=sys.stderr, flush=True)
 
 
 def worker_result(workload, setting, returncode, out, err):
@@ -1074,27 +1086,20 @@ def main():
                     results.append(res)
                     if "error" not in res:
                         times.setdefault(res["setting"], []).append(res["times_ms"])
-                        print(f"  {w:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
-                              f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  "
-                              f"(lockstep, group {g})", file=sys.stderr, flush=True)
+                        progress(res, f"(lockstep, group {g})")
                 groups.append(times)
             if a.groups > 1:
                 pooled[w] = pooled_ratios(groups, a.skip)
             continue
         for s in a.settings.split(","):
             env = child_env(s, here)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", w, s, "--steps", str(a.steps)]
+            cmd = worker_cmd(w, s, a.steps)
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             res = worker_result(w, s, r.returncode, r.stdout, r.stderr)
             results.append(res)
             if "error" in res:
                 continue
-            print(
-                f"  {w:<7} {s:<11} step {res['step_ms']:9.2f} ms  ratio "
-                f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  host {res.get('host_ms', 0):.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            progress(res, f"host {res.get('host_ms', 0):.1f} ms")
     print(f"{'workload':<8} {'setting':<11} {'step ms':>10} {'vs native':>9} {'host ms':>8} "
           f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses"
           + ("  (lockstep: vs native is the median of step-by-step ratios)" if a.lockstep else ""))
