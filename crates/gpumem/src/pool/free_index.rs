@@ -62,14 +62,14 @@ impl Bin {
         }
     }
 
-    /// Keys at or above `lo`, in order.
-    fn from(&self, lo: Key) -> Box<dyn Iterator<Item = Key> + '_> {
+    /// Keys at or above `lo`, in order (no allocation: the search paths walk many bins).
+    fn from(&self, lo: Key) -> BinIter<'_> {
         match self {
             Bin::Vec(v) => {
                 let i = v.partition_point(|&x| x < lo);
-                Box::new(v[i..].iter().copied())
+                BinIter::Vec(v[i..].iter())
             }
-            Bin::Tree(t) => Box::new(t.range(lo..).copied()),
+            Bin::Tree(t) => BinIter::Tree(t.range(lo..)),
         }
     }
 
@@ -85,6 +85,24 @@ impl Bin {
         match self {
             Bin::Vec(v) => v.last().copied(),
             Bin::Tree(t) => t.last().copied(),
+        }
+    }
+}
+
+/// The keys of one bin from some key on (see [`Bin::from`]).
+enum BinIter<'a> {
+    Vec(std::slice::Iter<'a, Key>),
+    Tree(std::collections::btree_set::Range<'a, Key>),
+}
+
+impl Iterator for BinIter<'_> {
+    type Item = Key;
+
+    #[inline]
+    fn next(&mut self) -> Option<Key> {
+        match self {
+            BinIter::Vec(i) => i.next().copied(),
+            BinIter::Tree(i) => i.next().copied(),
         }
     }
 }
@@ -189,13 +207,22 @@ impl FreeIndex {
         let lo = key(size, 0, 0);
         self.bins[b]
             .from(lo)
-            .chain(self.bins[b + 1..].iter().flat_map(|s| s.from(0)))
+            .chain(
+                self.bins[b + 1..]
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .flat_map(|s| s.from(0)),
+            )
             .map(decode)
     }
 
     /// Every block, unordered across bins.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64, u32)> + '_ {
-        self.bins.iter().flat_map(|s| s.from(0)).map(decode)
+        self.bins
+            .iter()
+            .filter(|s| !s.is_empty())
+            .flat_map(|s| s.from(0))
+            .map(decode)
     }
 
     /// Largest block size, if any.
