@@ -686,6 +686,7 @@ def worker(workload, setting, steps, lockstep=False):
                       "mapped_bytes", "unmapped_bytes", "vmm_calls_foreground",
                       "vmm_calls_background", "vmm_spare_bytes", "vmm_waits", "vmm_aliased",
                       "num_ordered_unmaps", "num_cross_stream_moves", "num_cross_stream_blocks",
+                      "num_checkpoints",
                       "num_move_stops", "num_pressure_moves", "page_move_ns", "page_map_ns",
                       "num_plans", "num_plans_declined", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes")
         }

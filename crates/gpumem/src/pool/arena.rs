@@ -1,6 +1,6 @@
 //! The block/segment arena: slots, links, free sets, split and coalesce.
 
-use super::expandable::{page_count, page_index, page_span};
+use super::expandable::page_span;
 use super::*;
 
 impl CachingPool {
@@ -126,8 +126,8 @@ impl CachingPool {
 
     /// [`CachingPool::free_block`] for a block last used by `lent_to` (a stream other than its
     /// own: see `lending.rs`) or by its own stream (`None`). A lent block's pages keep their
-    /// owner's free ticks; the block remembers the other stream's free instead, with a
-    /// checkpoint recorded there.
+    /// owner's free ticks; the block remembers the other stream's free instead (see
+    /// `lending.rs`).
     pub(super) fn free_block_used_by(&mut self, id: u32, lent_to: Option<Stream>) {
         if self.plans.busy() && self.in_plan(id) {
             self.plan_release(id);
@@ -142,7 +142,7 @@ impl CachingPool {
                 lo: b.addr,
                 hi: b.addr + b.size,
             };
-            self.checkpoint_on_free(user, true, true);
+            self.checkpoint_on_free(user);
             self.foreign.entry(id).or_default().push(used);
         } else if self.policy.page.is_some() {
             let page = self.policy.page.unwrap_or(MIN_BLOCK);
@@ -174,18 +174,9 @@ impl CachingPool {
         }
         let seg = self.blocks[id as usize].segment;
         self.segments[seg as usize].last_used = self.tick;
-        if lent_to.is_none() {
-            if let Some(page) = self.policy.page {
-                // a checkpoint by which another stream may take the freed pages: at each free
-                // of a large block (its pages, whole or not, may become wholly free later by
-                // frees that record none here: a lent block given back), and where a small
-                // block's free left a whole free page
-                let b = &self.blocks[id as usize];
-                let base = self.segments[seg as usize].addr;
-                let whole = b.kind == PoolKind::Large
-                    || page_count(b.addr - base, page) < page_index(b.addr + b.size - base, page);
-                self.checkpoint_on_free(stream, whole, false);
-            }
+        if lent_to.is_none() && self.policy.page.is_some() {
+            // a checkpoint by which the freed pages become known idle (see `events.rs`)
+            self.checkpoint_on_free(stream);
         }
         self.enter_free(id);
     }

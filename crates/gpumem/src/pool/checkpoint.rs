@@ -152,6 +152,7 @@ impl CachingPool {
             let b = &self.blocks[id as usize];
             let (kind, size, req, stream) = (b.kind, b.size, b.requested, b.stream);
             self.stats.on_free(kind, size, req, false);
+            self.count_live(stream, false);
             self.record(Action::FreeRequested, addr, req, stream);
             self.record(Action::FreeCompleted, addr, req, stream);
             self.free_block(id);
@@ -180,6 +181,7 @@ impl CachingPool {
                         (b.addr, b.size, b.kind, b.requested, b.stream);
                     self.live.insert(addr, id);
                     self.stats.on_alloc(kind, bsize, req);
+                    self.count_live(stream, true);
                     self.record(Action::Alloc, addr, req, stream);
                     allocated.push((addr, req));
                 } else {

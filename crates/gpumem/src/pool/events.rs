@@ -80,12 +80,13 @@ impl CachingPool {
     }
 
     /// Whether `waiter` can be ordered after `other`'s frees up to `tick` without waiting on
-    /// the host: they are idle, `waiter` waited for them already, or a checkpoint covers them.
+    /// the host: they are idle, `waiter` waited for them already, or a checkpoint covers them
+    /// (recorded now if need be: see [`CachingPool::cover`]).
     pub(super) fn can_order_after(&mut self, waiter: Stream, other: Stream, tick: u64) -> bool {
         waiter == other
             || self.safe_tick(other) >= tick
             || self.waited(waiter, other, tick)
-            || self.covering_checkpoint(other, tick).is_some()
+            || self.cover(other, tick).is_some()
     }
 
     /// Whether `waiter` was already made to wait for `other`'s frees up to `tick`.
@@ -97,7 +98,8 @@ impl CachingPool {
 
     /// Order the work queued on `waiter` from now on after `other`'s work up to its free tick
     /// `tick`: nothing to do when that is idle or `waiter` waited for it already; otherwise
-    /// `waiter` waits on the GPU for the oldest checkpoint covering it (a wait recorded while
+    /// `waiter` waits on the GPU for the oldest checkpoint covering it (recorded now if need
+    /// be: see [`CachingPool::cover`]; a wait recorded while
     /// `waiter` captures a graph would be part of the graph: the host waits for that event
     /// instead), or, with no such checkpoint, the host waits for `other` (the device, if
     /// `other` is gone).
@@ -105,7 +107,7 @@ impl CachingPool {
         if waiter == other || self.safe_tick(other) >= tick || self.waited(waiter, other, tick) {
             return;
         }
-        if let Some((ev, covers)) = self.covering_checkpoint(other, tick) {
+        if let Some((ev, covers)) = self.cover(other, tick) {
             if !self.capturing(waiter) && self.backend.wait_event(waiter, ev).is_ok() {
                 self.stats.num_cross_stream_moves += 1;
                 match self
@@ -140,39 +142,38 @@ impl CachingPool {
     /// retired first).
     pub(super) fn checkpoint(&mut self, stream: Stream) {
         self.safe_tick(stream);
-        self.checkpoint_on_free(stream, false, false);
+        if self.checkpoints_of(stream).outstanding.is_empty() && !self.capturing(stream) {
+            self.record_checkpoint(stream);
+        }
     }
 
-    /// A checkpoint on `stream`, recorded when a block of the stream is freed (the stream is
-    /// alive then: blocks must not outlive their streams; the pool never records on another
-    /// stream, which may be gone), so that once the event completes, the pages freed so far
-    /// are known idle with no waiting. One outstanding checkpoint is enough for a stream alone
-    /// (reclaiming refreshes its own). With several streams, another stream's allocation can
-    /// take these pages only through a checkpoint that covers them, so a freed block of a page
-    /// or more (`spans_page`) gets a fresh one (completed ones are retired first): one
-    /// event record per such free, none for smaller blocks. A lent block given back (`lent`)
-    /// always gets one: its owner's next use waits for it.
-    pub(super) fn checkpoint_on_free(&mut self, stream: Stream, spans_page: bool, lent: bool) {
-        if self.capturing(stream) {
-            return; // an event recorded now would be part of the graph
-        }
-        let several = self.streams.len() >= 2;
+    /// A checkpoint on `stream` when one of its blocks is freed (`stream` is alive then:
+    /// blocks must not outlive their streams; the pool records on another stream only while
+    /// it has blocks handed out), so that once the event completes, the pages freed so far are
+    /// known idle with no waiting. One outstanding checkpoint at a time is recorded here, with
+    /// no driver call when there is one already: the frees after it are covered on demand, when
+    /// another stream needs them ([`CachingPool::cover`]), while their stream is known alive.
+    /// Where the pool has several streams, the free of a stream's last block handed out (after
+    /// which the stream may be destroyed) gets a fresh checkpoint, so that its frees stay
+    /// coverable; a stream alone that takes and gives back one block at a time records none.
+    pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
         let tick = self.tick;
-        if !self.checkpoints_of(stream).outstanding.is_empty() {
-            if !several {
-                return;
-            }
-            self.safe_tick(stream);
-            let c = self.checkpoints_of(stream);
-            let fresh = match c.outstanding.back() {
-                None => true,
-                Some(&(_, last)) => last < tick && (lent || spans_page),
-            };
-            if !fresh {
-                return;
-            }
+        let last = self.streams.len() >= 2 && self.handed_out_on(stream) == 0;
+        let fresh = match self.checkpoints_of(stream).outstanding.back() {
+            None => true,
+            Some(&(_, covers)) => last && covers < tick,
+        };
+        if fresh && !self.capturing(stream) {
+            self.record_checkpoint(stream);
         }
+    }
+
+    /// Record a checkpoint on `stream` covering every free so far (the caller knows the
+    /// stream is alive and not capturing).
+    fn record_checkpoint(&mut self, stream: Stream) {
+        let tick = self.tick;
         if let Ok(ev) = self.backend.record_event(stream) {
+            self.stats.num_checkpoints += 1;
             let c = self.checkpoints_of(stream);
             // at the cap, the new event replaces the newest (it covers all that one did)
             let replaced = (c.outstanding.len() >= StreamCheckpoints::MAX_OUTSTANDING)
@@ -183,6 +184,59 @@ impl CachingPool {
                 self.backend.destroy_event(old);
             }
         }
+    }
+
+    /// The oldest checkpoint on `other` not known complete that covers its free tick `tick`;
+    /// if none does and `other` is known alive (it has blocks handed out) and not capturing, a
+    /// checkpoint recorded there now, covering every free so far. Recorded on demand like this,
+    /// a stream's frees cost no driver call until another stream needs their memory.
+    pub(super) fn cover(&mut self, other: Stream, tick: u64) -> Option<(Event, u64)> {
+        if let Some(c) = self.covering_checkpoint(other, tick) {
+            return Some(c);
+        }
+        if !self.may_record_on(other) {
+            return None;
+        }
+        self.record_checkpoint(other);
+        self.covering_checkpoint(other, tick)
+    }
+
+    /// Whether a checkpoint may be recorded on `stream` now: it has blocks handed out (so it is
+    /// alive) and does not capture a graph.
+    pub(super) fn may_record_on(&self, stream: Stream) -> bool {
+        self.handed_out_on(stream) > 0 && !self.capturing(stream)
+    }
+
+    /// Blocks handed out on `stream`.
+    pub(super) fn handed_out_on(&self, stream: Stream) -> u32 {
+        self.live_on
+            .iter()
+            .find(|&&(s, _)| s == stream)
+            .map_or(0, |&(_, n)| n)
+    }
+
+    /// One more (`up`) or one fewer block handed out on `stream`. (Streams down to none keep
+    /// their entry, so that a stream that takes and gives back one block at a time pays no
+    /// insertion: the list is pruned of them only as it grows.)
+    #[inline]
+    pub(super) fn count_live(&mut self, stream: Stream, up: bool) {
+        match self.live_on.iter_mut().find(|e| e.0 == stream) {
+            Some(e) if up => e.1 += 1,
+            Some(e) => {
+                debug_assert!(e.1 > 0, "a free on a stream with no block handed out");
+                e.1 = e.1.saturating_sub(1);
+            }
+            None if up => self.add_live_stream(stream),
+            None => debug_assert!(false, "a free on a stream with no block handed out"),
+        }
+    }
+
+    #[cold]
+    fn add_live_stream(&mut self, stream: Stream) {
+        if self.live_on.len() >= 16 {
+            self.live_on.retain(|e| e.1 > 0);
+        }
+        self.live_on.push((stream, 1));
     }
 
     /// Record that `stream` uses the live block at `addr` (PyTorch's `record_stream`): when it

@@ -498,23 +498,33 @@ impl CachingPool {
     }
 
     /// Move up to about `want` bytes of the free pages of `seg`, a segment of stream `owner`,
-    /// to `current`'s next map, in `current`'s order: pages freed before `owner`'s newest
-    /// checkpoint, once `current` waits for that checkpoint's event (as `cudaMallocAsync`
-    /// reuses another stream's memory through an event dependency). Work queued on `current`
-    /// from now on runs after what `owner` had queued by the checkpoint; nothing waits on the
-    /// host. Returns the bytes unmapped.
+    /// to `current`'s next map, in `current`'s order: pages freed before a checkpoint of
+    /// `owner` (its newest, or, when those pages fall short and `owner` is known alive, one
+    /// recorded now: see [`CachingPool::cover`]), once `current` waits for that checkpoint's
+    /// event (as `cudaMallocAsync` reuses another stream's memory through an event dependency).
+    /// Work queued on `current` from now on runs after what `owner` had queued by the
+    /// checkpoint; nothing waits on the host. Returns the bytes unmapped.
     fn move_across_streams(&mut self, seg: u32, owner: Stream, current: Stream, want: u64) -> u64 {
         if self.capturing(current) {
             return 0; // a wait recorded now would be part of the graph
         }
         // (no checkpoint outstanding: the owner's frees up to its last one are idle, and only
         // lent blocks given back there may still be in use)
-        let tick = match self.newest_checkpoint(owner) {
+        let mut tick = match self.newest_checkpoint(owner) {
             Some((_, tick)) => tick,
             None => self.safe_tick(owner),
         };
         self.order_for_foreign(seg, current);
-        let runs = self.free_mapped_runs(seg, want, tick, Some(current));
+        let mut runs = self.free_mapped_runs(seg, want, tick, Some(current));
+        if tick < self.tick && runs.iter().map(|r| r.1).sum::<u64>() < want {
+            // the pages freed since, through a checkpoint recorded on demand
+            if self.may_record_on(owner) {
+                let all = self.free_mapped_runs(seg, want, self.tick, Some(current));
+                if all.iter().map(|r| r.1).sum::<u64>() > runs.iter().map(|r| r.1).sum() {
+                    (tick, runs) = (self.tick, all);
+                }
+            }
+        }
         if runs.is_empty() {
             return 0;
         }

@@ -10,10 +10,11 @@
 //! event dependencies). No driver call, no host wait.
 //!
 //! The block stays in its owner's segment. Given back, it goes to the owner's free set at once
-//! (a caching allocator's free is ordered on the freeing stream), with a checkpoint recorded on
-//! the stream it was lent to and the block remembering that stream and free tick
-//! (`CachingPool::foreign`); whoever takes it next (the owner, or a third stream) first waits
-//! for that checkpoint, and its pages are not unmapped before it completes. A block that merges
+//! (a caching allocator's free is ordered on the freeing stream), the block remembering the
+//! stream it was lent to and its free tick (`CachingPool::foreign`); whoever takes it next (the
+//! owner, or a third stream) first waits for a checkpoint of that stream covering the free
+//! (recorded when needed: see `CachingPool::cover`), and its pages are not unmapped before that
+//! stream is known done with them. A block that merges
 //! with such a block inherits what it remembers.
 
 use super::*;
@@ -208,7 +209,8 @@ impl CachingPool {
     }
 
     /// Before `mover` moves free pages of `seg` in its order: order it after the lent uses
-    /// given back there that a checkpoint covers.
+    /// given back there that a checkpoint covers (recorded now if need be: see
+    /// [`CachingPool::cover`]).
     pub(super) fn order_for_foreign(&mut self, seg: u32, mover: Stream) {
         if self.foreign.is_empty() || self.capturing(mover) {
             return;
@@ -223,7 +225,7 @@ impl CachingPool {
         for u in uses {
             if !self.ordered(Some(mover), &u)
                 && self.safe_tick(u.stream) < u.tick
-                && self.covering_checkpoint(u.stream, u.tick).is_some()
+                && self.cover(u.stream, u.tick).is_some()
             {
                 self.order_after(mover, u.stream, u.tick);
             }

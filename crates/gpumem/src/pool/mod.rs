@@ -343,6 +343,10 @@ pub struct CachingPool {
     /// reached at the free) before: then the block is free again within the capture
     deferred: Vec<(u32, Vec<Stream>, Option<Vec<u64>>)>,
     streams: Vec<Stream>,
+    /// streams with blocks handed out, and how many: such a stream is alive (blocks must not
+    /// outlive their streams), so a checkpoint may be recorded there when another stream
+    /// needs one (see `events.rs`)
+    live_on: Vec<(Stream, u32)>,
     stats: HotStats,
     tick: u64,
     /// highest allocated bytes seen when mapping pages (expandable segments)
@@ -427,6 +431,7 @@ impl CachingPool {
             pending: Vec::new(),
             deferred: Vec::new(),
             streams: Vec::new(),
+            live_on: Vec::new(),
             stats: HotStats::default(),
             tick: 0,
             peak_allocated: 0,

@@ -1469,7 +1469,7 @@ impl CachingPool {
             }
             self.enter_free(id);
         }
-        self.checkpoint_on_free(stream, true, false);
+        self.checkpoint_on_free(stream);
     }
 
     /// Dissolve every plan (the cache is being emptied: the job starts over).

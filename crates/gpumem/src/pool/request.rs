@@ -96,6 +96,11 @@ impl CachingPool {
             self.live.insert(addr, id);
         }
         self.stats.on_alloc(kind, bsize, req);
+        debug_assert!(
+            self.blocks[id as usize].stream == stream || self.lent.get(&id) == Some(&stream),
+            "a block handed out to a stream neither owns nor borrows it"
+        );
+        self.count_live(stream, true);
         self.note_event(id, false);
         self.record(Action::Alloc, addr, req, stream);
         PoolAlloc {
@@ -264,9 +269,12 @@ impl CachingPool {
         }
         if !self.lent.is_empty() {
             if let Some(user) = self.lent.remove(&id) {
+                self.count_live(user, false);
                 return self.release_lent(id, user);
             }
         }
+        let stream = self.blocks[id as usize].stream;
+        self.count_live(stream, false);
         let b = &mut self.blocks[id as usize];
         let (kind, size, req) = (b.kind, b.size, b.requested);
         let deferred = b.uses.is_some();

@@ -125,6 +125,10 @@ pub struct Stats {
     /// free blocks of another stream's expandable segment handed out (mapped memory lent
     /// instead of pages moved; the allocating stream waits for the other's event on the GPU)
     pub num_cross_stream_blocks: u64,
+    /// checkpoint events recorded (cuEventRecord) so that freed pages are known idle, or so
+    /// that another stream may take them in its order (recorded when another stream needs
+    /// them, not at every free)
+    pub num_checkpoints: u64,
     /// allocations that moved pages (mapped beyond the allowance, so free pages elsewhere were
     /// unmapped first)
     pub num_page_moves: u64,
@@ -288,6 +292,7 @@ impl Stats {
         self.num_ordered_unmaps += o.num_ordered_unmaps;
         self.num_cross_stream_moves += o.num_cross_stream_moves;
         self.num_cross_stream_blocks += o.num_cross_stream_blocks;
+        self.num_checkpoints += o.num_checkpoints;
         self.num_page_moves += o.num_page_moves;
         self.num_pressure_moves += o.num_pressure_moves;
         self.page_move_ns += o.page_move_ns;
@@ -446,6 +451,7 @@ pub(crate) struct HotStats {
     pub(crate) num_ordered_unmaps: u64,
     pub(crate) num_cross_stream_moves: u64,
     pub(crate) num_cross_stream_blocks: u64,
+    pub(crate) num_checkpoints: u64,
     pub(crate) num_page_moves: u64,
     pub(crate) num_pressure_moves: u64,
     pub(crate) page_map_ns: u64,
@@ -621,6 +627,7 @@ impl HotStats {
             num_ordered_unmaps: self.num_ordered_unmaps,
             num_cross_stream_moves: self.num_cross_stream_moves,
             num_cross_stream_blocks: self.num_cross_stream_blocks,
+            num_checkpoints: self.num_checkpoints,
             num_page_moves: self.num_page_moves,
             num_pressure_moves: self.num_pressure_moves,
             page_map_ns: self.page_map_ns,

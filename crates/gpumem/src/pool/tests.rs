@@ -571,20 +571,22 @@ fn another_streams_busy_pages_move_in_the_allocating_streams_order() {
     let waits = dev.counters().stream_waits;
     assert_eq!(
         dev.counters().pending_events,
-        events + 1,
-        "with two streams, the free of a page or more records a fresh checkpoint on A"
+        events,
+        "A has a checkpoint outstanding already: its free records none (no driver call)"
     );
     earn(&dev);
     // B's 150 MiB (more than a's free block holds, so no block of A's is lent) takes a's
-    // pages: B waits for A's checkpoint (no host wait), then maps their memory at its own
-    // addresses
+    // pages: A still has a block handed out (it is alive), so a checkpoint is recorded on A
+    // now, B waits for it (no host wait), then maps their memory at its own addresses
+    let checkpoints = p.stats().num_checkpoints;
     let _c = alloc(&mut p, B, 150 * MIB);
     let s = p.stats();
+    assert_eq!(s.num_checkpoints, checkpoints + 1, "{s:?}");
     assert_eq!(s.num_cross_stream_moves, 1, "{s:?}");
     assert_eq!(s.num_cross_stream_blocks, 0, "{s:?}");
     assert_eq!(dev.counters().stream_waits, waits + 1);
     assert_moved_without_waiting(&p, &dev, 98 * MIB, 260 * MIB + 4 * PAGE);
-    // with one stream only, a free records no more than one outstanding checkpoint
+    // with one stream, frees record no more than one outstanding checkpoint
     let (mut q, dev) = vmm_pool(1 << 40);
     dev.set_auto_complete(false);
     let xs: Vec<u64> = (0..8).map(|_| alloc(&mut q, A, 4 * MIB)).collect();
@@ -592,6 +594,16 @@ fn another_streams_busy_pages_move_in_the_allocating_streams_order() {
         free(&mut q, x);
     }
     assert_eq!(dev.counters().pending_events, 1);
+    // with two, the free of a stream's last block handed out records one more (the stream may
+    // be destroyed after it)
+    let _b = alloc(&mut q, B, 4 * MIB);
+    let xs: Vec<u64> = (0..8).map(|_| alloc(&mut q, A, 4 * MIB)).collect();
+    for &x in &xs[1..] {
+        free(&mut q, x);
+    }
+    assert_eq!(dev.counters().pending_events, 1);
+    free(&mut q, xs[0]);
+    assert_eq!(dev.counters().pending_events, 2);
     let _ = keep_a;
 }
 
@@ -684,6 +696,28 @@ fn expandable_moves_another_streams_pages_through_its_free_checkpoint() {
     assert!(p.stats().unmapped_bytes >= 146 * MIB);
     assert_eq!(p.stats().num_unmap_syncs, 0);
     assert_eq!(dev.counters().syncs, 0);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn no_checkpoint_is_recorded_on_a_stream_with_nothing_handed_out() {
+    // A frees everything it had (it may be destroyed now): its last free records a checkpoint
+    // covering all its frees, and another stream takes A's pages through that one; the pool
+    // records nothing on A after that
+    let (mut p, dev) = vmm_pool(1 << 40);
+    dev.set_auto_complete(false);
+    let _keep_b = alloc(&mut p, B, 4 * MIB);
+    let (a1, a2) = (alloc(&mut p, A, 60 * MIB), alloc(&mut p, A, 60 * MIB));
+    free(&mut p, a1);
+    free(&mut p, a2);
+    let n = p.stats().num_checkpoints;
+    earn(&dev);
+    let _c = alloc(&mut p, B, 150 * MIB);
+    let s = p.stats();
+    assert!(s.unmapped_bytes >= 110 * MIB, "{s:?}");
+    assert_eq!(s.num_cross_stream_moves, 1, "{s:?}");
+    assert_eq!(s.num_checkpoints, n, "nothing recorded on A");
+    assert_eq!(dev.counters().syncs, 0, "no host wait");
     p.check_invariants().unwrap();
 }
 

@@ -40,6 +40,9 @@ pub struct PolicyReport {
     /// host waits for a stream before unmapping pages, or before mapping over an address whose
     /// pages moved in stream order while that stream's work was still queued
     pub unmap_syncs: u64,
+    /// checkpoint events recorded on the allocating thread (by which freed pages are known
+    /// idle, or another stream takes them in its order)
+    pub checkpoints: u64,
     /// modelled driver time on the allocating thread ([`CostModel`]; 0 for `recorded`), µs
     pub critical_path_us: f64,
     /// modelled driver time off the allocating thread (unmapping, releasing), µs
@@ -62,13 +65,16 @@ pub struct PolicyReport {
 
 /// What a replay's driver work cost, from the pool's statistics and the page engine's calls.
 impl CostModel {
-    /// (allocating thread, background) µs of the driver work in `stats`, with the page
-    /// engine's calls `vmm` where the pool had expandable segments.
+    /// (allocating thread, background) µs of the driver work in `stats` (its checkpoint
+    /// events included), with the page engine's calls `vmm` where the pool had expandable
+    /// segments.
     pub fn cost(&self, stats: &crate::Stats, vmm: Option<&VmmCalls>) -> (f64, f64) {
         let stalls = stats.num_unmap_syncs as f64 * self.sync_stall_us;
         match vmm {
             Some(c) => {
-                let fg = self.vmm_foreground_us(c) + stalls;
+                let fg = self.vmm_foreground_us(c)
+                    + stats.num_checkpoints as f64 * self.record_us
+                    + stalls;
                 let bg = c.releases as f64 * self.release_us
                     + c.unmaps_background as f64 * self.unmap_us;
                 (fg, bg)
@@ -138,6 +144,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         critical_path_share: None,
         device_calls: calls,
         unmap_syncs: 0,
+        checkpoints: 0,
     }
 }
 
@@ -356,6 +363,7 @@ fn replay_passes(
             ns_per_event,
             device_calls,
             unmap_syncs: stats.num_unmap_syncs + stats.vmm_waits,
+            checkpoints: stats.num_checkpoints,
             critical_path_us: fg_us,
             move_us: stats.page_move_ns as f64 / 1e3,
             move_longest_us: stats.page_move_longest_ns as f64 / 1e3,
