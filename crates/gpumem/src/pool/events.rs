@@ -218,7 +218,7 @@ impl CachingPool {
     /// One more (`up`) or one fewer block handed out on `stream`. (Streams down to none keep
     /// their entry, so that a stream that takes and gives back one block at a time pays no
     /// insertion: the list is pruned of them only as it grows.)
-    #[inline]
+    #[inline(always)]
     pub(super) fn count_live(&mut self, stream: Stream, up: bool) {
         match self.live_on.iter_mut().find(|e| e.0 == stream) {
             Some(e) if up => e.1 += 1,
