@@ -358,11 +358,11 @@ impl CachingPool {
     }
 
     /// An event on each stream of `uses` (a stream that cannot get one is waited for now).
-    pub(super) fn record_uses(&mut self, uses: Vec<Stream>) -> Vec<Event> {
+    pub(super) fn record_uses(&mut self, uses: Vec<Stream>) -> Vec<(Stream, Event)> {
         let mut events = Vec::with_capacity(uses.len());
         for st in uses {
             match self.backend.record_event(st) {
-                Ok(ev) => events.push(ev),
+                Ok(ev) => events.push((st, ev)),
                 // without an event, wait for the stream now: correctness over speed
                 Err(_) => {
                     let _ = self.backend.synchronize(st);
@@ -372,36 +372,50 @@ impl CachingPool {
         events
     }
 
-    /// Free blocks whose recorded events have all completed.
+    /// Free blocks whose recorded events have all completed. `pending` is in the order the
+    /// events were recorded, and events on one stream complete in that order: past a stream's
+    /// first event that is not done, none of its later ones is asked about. So a call asks at
+    /// most one event a stream that is not done (as PyTorch's allocator does), however many
+    /// blocks wait.
     pub fn process_events(&mut self) {
-        let mut i = 0;
-        while i < self.pending.len() {
-            let done = self.pending[i]
-                .1
-                .iter()
-                .all(|&e| self.backend.event_done(e).unwrap_or(false));
+        let mut busy: Vec<Stream> = Vec::new();
+        let (mut kept, len) = (0, self.pending.len());
+        for i in 0..len {
+            let mut done = true;
+            for &(st, ev) in &self.pending[i].1 {
+                if busy.contains(&st) || !self.backend.event_done(ev).unwrap_or(false) {
+                    if !busy.contains(&st) {
+                        busy.push(st);
+                    }
+                    done = false;
+                    break;
+                }
+            }
             if done {
-                let (id, events) = self.pending.swap_remove(i);
+                let (id, events) = std::mem::take(&mut self.pending[i]);
                 self.finish_pending(id, events);
             } else {
-                i += 1;
+                self.pending.swap(kept, i);
+                kept += 1;
             }
         }
+        // (the blocks freed meanwhile are at [kept, len); any that came in since, after them)
+        self.pending.drain(kept..len);
     }
 
     /// Wait on the host for every pending event, then free those blocks.
     pub(super) fn sync_pending(&mut self) {
         self.stats.num_sync_all_streams += 1;
         for (id, events) in std::mem::take(&mut self.pending) {
-            for &e in &events {
+            for &(_, e) in &events {
                 let _ = self.backend.sync_event(e);
             }
             self.finish_pending(id, events);
         }
     }
 
-    pub(super) fn finish_pending(&mut self, id: u32, events: Vec<Event>) {
-        for e in events {
+    pub(super) fn finish_pending(&mut self, id: u32, events: Vec<(Stream, Event)>) {
+        for (_, e) in events {
             self.backend.destroy_event(e);
         }
         let b = &self.blocks[id as usize];

@@ -336,7 +336,9 @@ pub struct CachingPool {
     /// +8 per quick-cache hit, -1 per miss, within ±64: below 0 the cache is mostly bypassed
     quick_score: i32,
     quick_probe: u32,
-    pending: Vec<(u32, Vec<Event>)>,
+    /// freed blocks waiting for events other streams recorded (`record_stream`), in the order
+    /// the events were recorded: `(block, [(stream, event)])`
+    pending: Vec<(u32, Vec<(Stream, Event)>)>,
     /// freed blocks used by a stream that was capturing a CUDA graph when they were freed:
     /// their events are recorded once the capture ends ([`CachingPool::end_capture`]), unless
     /// the block's own stream joins the work of those streams (the graph nodes they had
@@ -545,9 +547,9 @@ impl Drop for CachingPool {
                 "gpumem: pool dropped with {live} live allocation(s); their memory is released"
             );
         }
-        for e in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {
-            let _ = self.backend.sync_event(*e);
-            self.backend.destroy_event(*e);
+        for &(_, e) in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {
+            let _ = self.backend.sync_event(e);
+            self.backend.destroy_event(e);
         }
         for &(ev, _) in self.checkpoints.iter().flat_map(|c| c.outstanding.iter()) {
             self.backend.destroy_event(ev);

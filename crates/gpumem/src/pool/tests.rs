@@ -200,6 +200,37 @@ fn record_stream_defers_reuse_until_events_complete() {
 }
 
 #[test]
+fn blocks_waiting_on_a_busy_stream_cost_one_event_query_an_allocation() {
+    // 200 blocks freed while stream B uses them (record_stream), B's work still queued: an
+    // allocation asks B's oldest event only, not all 200 (events on a stream complete in order)
+    let (mut p, dev) = pool_with(1 << 40, "cross_stream_reuse:false");
+    dev.set_auto_complete(false);
+    let xs: Vec<u64> = (0..200).map(|_| alloc(&mut p, A, 4096)).collect();
+    for &x in &xs {
+        p.record_stream(x, B).unwrap();
+        free(&mut p, x);
+    }
+    let asked = dev.counters().event_queries;
+    let y = alloc(&mut p, A, 4096);
+    assert_eq!(dev.counters().event_queries - asked, 1);
+    assert_eq!(
+        p.stats().active.all.current,
+        201,
+        "none reused while B may use them"
+    );
+    // once B's work is done, they all come back at the next allocation, in one call each
+    dev.complete_events();
+    let asked = dev.counters().event_queries;
+    let z = alloc(&mut p, A, 4096);
+    assert_eq!(dev.counters().event_queries - asked, 200);
+    assert_eq!(p.stats().active.all.current, 2);
+    assert!(xs.contains(&z), "a freed block is reused");
+    free(&mut p, y);
+    free(&mut p, z);
+    p.check_invariants().unwrap();
+}
+
+#[test]
 fn empty_cache_keeps_pending_blocks() {
     let (mut p, dev) = pool();
     dev.set_auto_complete(false);

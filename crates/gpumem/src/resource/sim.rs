@@ -120,6 +120,7 @@ struct SimState {
     allocs: u64,
     frees: u64,
     stream_waits: u64,
+    event_queries: u64,
     syncs: u64,
     /// reserved address ranges: base → bytes
     ranges: FxHashMap<DevPtr, u64>,
@@ -162,6 +163,8 @@ pub struct SimCounters {
     pub frees: u64,
     /// number of stream waits inserted
     pub stream_waits: u64,
+    /// number of times an event was asked whether it has completed
+    pub event_queries: u64,
     /// events recorded and not yet complete
     pub pending_events: usize,
     /// host synchronisations with a stream
@@ -333,6 +336,7 @@ impl SimulatedDevice {
             allocs: s.allocs,
             frees: s.frees,
             stream_waits: s.stream_waits,
+            event_queries: s.event_queries,
             pending_events: s.pending.len(),
             syncs: s.syncs,
             maps: s.maps,
@@ -732,7 +736,9 @@ impl StreamOps for SimulatedDevice {
         Ok(Event(id))
     }
     fn event_done(&self, event: Event) -> Result<bool> {
-        Ok(!self.state.lock().pending.contains_key(&event.0))
+        let mut s = self.state.lock();
+        s.event_queries += 1;
+        Ok(!s.pending.contains_key(&event.0))
     }
     fn sync_event(&self, event: Event) -> Result<()> {
         self.state.lock().pending.remove(&event.0);
