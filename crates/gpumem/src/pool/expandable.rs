@@ -431,10 +431,13 @@ impl CachingPool {
             if got >= want {
                 break;
             }
-            if !self.any_free_mapped(seg, current) {
+            // (with `may_wait`, free pages that a lent block's borrower may still use are
+            // waited for below: the whole device, since that stream is not the owner)
+            let lent_busy = may_wait && self.lent_use_pending(seg);
+            if !lent_busy && !self.any_free_mapped(seg, current) {
                 continue;
             }
-            let own = Some(owner) == current;
+            let own = Some(owner) == current && !lent_busy;
             if !may_wait {
                 // 2: on the allocation path, busy pages move in the allocating stream's order
                 match current {
@@ -561,6 +564,15 @@ impl CachingPool {
             joined
         });
         free
+    }
+
+    /// Whether a lent block given back in `seg` may still be in use by its borrower (no
+    /// checkpoint of the borrower known complete covers its free).
+    fn lent_use_pending(&self, seg: u32) -> bool {
+        self.foreign.iter().any(|(&id, uses)| {
+            self.blocks[id as usize].segment == seg
+                && uses.iter().any(|u| self.known_safe(u.stream) < u.tick)
+        })
     }
 
     /// Whether a free part of `seg` (see [`CachingPool::free_parts`]) holds a whole mapped
