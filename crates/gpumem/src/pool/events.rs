@@ -14,6 +14,59 @@ pub(super) struct StreamCheckpoints {
     pub(super) outstanding: std::collections::VecDeque<(Event, u64)>,
 }
 
+/// Freed blocks waiting for the events other streams recorded for them (`record_stream`): per
+/// stream, its events in the order recorded (the order they complete in), each with its block;
+/// per block, how many of its events are outstanding.
+#[derive(Debug, Default)]
+pub(super) struct Pending {
+    queues: Vec<(Stream, std::collections::VecDeque<(Event, u32)>)>,
+    waiting: FxHashMap<u32, u32>,
+    /// blocks with no event to wait for (recording failed, and their streams were waited for)
+    ready: Vec<u32>,
+}
+
+impl Pending {
+    pub(super) fn is_empty(&self) -> bool {
+        self.waiting.is_empty() && self.ready.is_empty()
+    }
+
+    /// Block `id` waits for `events`.
+    pub(super) fn push(&mut self, id: u32, events: Vec<(Stream, Event)>) {
+        if events.is_empty() {
+            self.ready.push(id);
+            return;
+        }
+        self.waiting.insert(id, events.len() as u32);
+        for (st, ev) in events {
+            match self.queues.iter_mut().find(|q| q.0 == st) {
+                Some(q) => q.1.push_back((ev, id)),
+                None => self.queues.push((st, [(ev, id)].into())),
+            }
+        }
+    }
+
+    /// One of block `id`'s events completed: whether it was its last.
+    fn event_done(&mut self, id: u32) -> bool {
+        match self.waiting.get_mut(&id) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            _ => {
+                self.waiting.remove(&id);
+                true
+            }
+        }
+    }
+
+    /// Every event still outstanding.
+    pub(super) fn events(&self) -> impl Iterator<Item = Event> + '_ {
+        self.queues
+            .iter()
+            .flat_map(|q| q.1.iter().map(|&(ev, _)| ev))
+    }
+}
+
 impl StreamCheckpoints {
     /// Outstanding checkpoints one stream may have; past it, a new one replaces the newest
     /// (which it covers too): the latest frees are then covered by fewer, later events.
@@ -298,7 +351,7 @@ impl CachingPool {
                 continue;
             }
             let events = self.record_uses(uses);
-            self.pending.push((id, events));
+            self.pending.push(id, events);
         }
         self.deferred = keep;
     }
@@ -332,7 +385,7 @@ impl CachingPool {
             self.deferred.push((id, uses, nodes));
         } else {
             let events = self.record_uses(uses);
-            self.pending.push((id, events));
+            self.pending.push(id, events);
         }
     }
 
@@ -350,7 +403,7 @@ impl CachingPool {
             if ready {
                 let (id, _, _) = self.deferred.swap_remove(i);
                 self.stats.num_capture_reclaims += 1;
-                self.finish_pending(id, Vec::new());
+                self.finish_pending(id);
             } else {
                 i += 1;
             }
@@ -372,52 +425,46 @@ impl CachingPool {
         events
     }
 
-    /// Free blocks whose recorded events have all completed. `pending` is in the order the
-    /// events were recorded, and events on one stream complete in that order: past a stream's
-    /// first event that is not done, none of its later ones is asked about. So a call asks at
-    /// most one event a stream that is not done (as PyTorch's allocator does), however many
-    /// blocks wait.
+    /// Free blocks whose recorded events have all completed. Events on one stream complete in
+    /// the order they were recorded, so each stream's queue is asked from its oldest event up
+    /// to the first that is not done: a call asks at most one event a busy stream (as
+    /// PyTorch's allocator does), however many blocks wait.
     pub fn process_events(&mut self) {
-        let mut busy: Vec<Stream> = Vec::new();
-        let (mut kept, len) = (0, self.pending.len());
-        for i in 0..len {
-            let mut done = true;
-            for &(st, ev) in &self.pending[i].1 {
-                if busy.contains(&st) || !self.backend.event_done(ev).unwrap_or(false) {
-                    if !busy.contains(&st) {
-                        busy.push(st);
-                    }
-                    done = false;
+        let mut freed = std::mem::take(&mut self.pending.ready);
+        for q in 0..self.pending.queues.len() {
+            while let Some(&(ev, id)) = self.pending.queues[q].1.front() {
+                if !self.backend.event_done(ev).unwrap_or(false) {
                     break;
                 }
-            }
-            if done {
-                let (id, events) = std::mem::take(&mut self.pending[i]);
-                self.finish_pending(id, events);
-            } else {
-                self.pending.swap(kept, i);
-                kept += 1;
+                self.pending.queues[q].1.pop_front();
+                self.backend.destroy_event(ev);
+                if self.pending.event_done(id) {
+                    freed.push(id);
+                }
             }
         }
-        // (the blocks freed meanwhile are at [kept, len); any that came in since, after them)
-        self.pending.drain(kept..len);
+        self.pending.queues.retain(|q| !q.1.is_empty());
+        for id in freed {
+            self.finish_pending(id);
+        }
     }
 
     /// Wait on the host for every pending event, then free those blocks.
     pub(super) fn sync_pending(&mut self) {
         self.stats.num_sync_all_streams += 1;
-        for (id, events) in std::mem::take(&mut self.pending) {
-            for &(_, e) in &events {
-                let _ = self.backend.sync_event(e);
+        let pending = std::mem::take(&mut self.pending);
+        for (_, queue) in pending.queues {
+            for (ev, _) in queue {
+                let _ = self.backend.sync_event(ev);
+                self.backend.destroy_event(ev);
             }
-            self.finish_pending(id, events);
+        }
+        for id in pending.ready.into_iter().chain(pending.waiting.into_keys()) {
+            self.finish_pending(id);
         }
     }
 
-    pub(super) fn finish_pending(&mut self, id: u32, events: Vec<(Stream, Event)>) {
-        for (_, e) in events {
-            self.backend.destroy_event(e);
-        }
+    pub(super) fn finish_pending(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         let (kind, size) = (b.kind, b.size);
         let (addr, req, stream) = (b.addr, b.requested, b.stream);

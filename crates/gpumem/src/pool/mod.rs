@@ -336,9 +336,8 @@ pub struct CachingPool {
     /// +8 per quick-cache hit, -1 per miss, within ±64: below 0 the cache is mostly bypassed
     quick_score: i32,
     quick_probe: u32,
-    /// freed blocks waiting for events other streams recorded (`record_stream`), in the order
-    /// the events were recorded: `(block, [(stream, event)])`
-    pending: Vec<(u32, Vec<(Stream, Event)>)>,
+    /// freed blocks waiting for events other streams recorded (`record_stream`)
+    pending: events::Pending,
     /// freed blocks used by a stream that was capturing a CUDA graph when they were freed:
     /// their events are recorded once the capture ends ([`CachingPool::end_capture`]), unless
     /// the block's own stream joins the work of those streams (the graph nodes they had
@@ -430,7 +429,7 @@ impl CachingPool {
             quick: Vec::with_capacity(config.pool.quick_cache),
             quick_score: 0,
             quick_probe: 0,
-            pending: Vec::new(),
+            pending: Default::default(),
             deferred: Vec::new(),
             streams: Vec::new(),
             live_on: Vec::new(),
@@ -547,7 +546,7 @@ impl Drop for CachingPool {
                 "gpumem: pool dropped with {live} live allocation(s); their memory is released"
             );
         }
-        for &(_, e) in self.pending.iter().flat_map(|(_, evs)| evs.iter()) {
+        for e in self.pending.events() {
             let _ = self.backend.sync_event(e);
             self.backend.destroy_event(e);
         }
