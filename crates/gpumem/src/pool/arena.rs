@@ -121,14 +121,25 @@ impl CachingPool {
 
     /// Put a block that is neither free nor quick into its free set, coalescing neighbours.
     pub(super) fn free_block(&mut self, id: u32) {
-        self.free_block_used_by(id, None);
+        self.free_block_used_by(id, None, None);
+    }
+
+    /// [`CachingPool::free_block`] for a block its user freed at tick `freed_at` (a block
+    /// leaving the quick cache): its pages count as freed then.
+    pub(super) fn free_block_freed_at(&mut self, id: u32, freed_at: u64) {
+        self.free_block_used_by(id, None, Some(freed_at));
     }
 
     /// [`CachingPool::free_block`] for a block last used by `lent_to` (a stream other than its
     /// own: see `lending.rs`) or by its own stream (`None`). A lent block's pages keep their
     /// owner's free ticks; the block remembers the other stream's free instead (see
     /// `lending.rs`).
-    pub(super) fn free_block_used_by(&mut self, id: u32, lent_to: Option<Stream>) {
+    pub(super) fn free_block_used_by(
+        &mut self,
+        id: u32,
+        lent_to: Option<Stream>,
+        freed_at: Option<u64>,
+    ) {
         if self.plans.busy() && self.in_plan(id) {
             self.plan_release(id);
             return;
@@ -147,7 +158,7 @@ impl CachingPool {
         } else if self.policy.page.is_some() {
             let page = self.policy.page.unwrap_or(MIN_BLOCK);
             let b = &self.blocks[id as usize];
-            let (addr, size, tick) = (b.addr, b.size, self.tick);
+            let (addr, size, tick) = (b.addr, b.size, freed_at.unwrap_or(self.tick));
             let s = &mut self.segments[b.segment as usize];
             let base = s.addr;
             if let Some(p) = s.pages.as_mut() {
@@ -200,9 +211,9 @@ impl CachingPool {
 
     /// Coalesce every quick-cached block.
     pub(super) fn flush_quick(&mut self) {
-        for (_, _, id) in std::mem::take(&mut self.quick) {
+        for (_, _, id, freed_at) in std::mem::take(&mut self.quick) {
             self.unmark_inactive(id);
-            self.free_block(id);
+            self.free_block_freed_at(id, freed_at);
         }
     }
 

@@ -209,9 +209,18 @@ impl CachingPool {
     /// Where the pool has several streams, the free of a stream's last block handed out (after
     /// which the stream may be destroyed) gets a fresh checkpoint, so that its frees stay
     /// coverable; a stream alone that takes and gives back one block at a time records none.
+    /// A free the pool makes on its own later (a block flushed from the quick cache, or whose
+    /// events completed) records nothing on a stream with no block handed out: the stream may
+    /// be gone by then.
     pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
+        let handed_out = self.handed_out_on(stream);
+        if handed_out == 0 && self.freeing != Some(stream) {
+            // a free the pool makes later (a block flushed from the quick cache, or whose
+            // events completed) on a stream with nothing handed out: it may be gone
+            return;
+        }
         let tick = self.tick;
-        let last = self.streams.len() >= 2 && self.handed_out_on(stream) == 0;
+        let last = self.streams.len() >= 2 && handed_out == 0;
         let fresh = match self.checkpoints_of(stream).outstanding.back() {
             None => true,
             Some(&(_, covers)) => last && covers < tick,

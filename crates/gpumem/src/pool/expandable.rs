@@ -717,7 +717,7 @@ impl CachingPool {
         let mut best = self
             .quick
             .iter()
-            .map(|&(_, _, id)| self.blocks[id as usize].size)
+            .map(|&(_, _, id, _)| self.blocks[id as usize].size)
             .max()
             .unwrap_or(0);
         for &seg in self.segment_index.values() {
@@ -756,7 +756,11 @@ fn mark_ticks(ticks: &mut Vec<u64>, high: u64, from: u64, to: u64, tick: u64) {
     if ticks.len() < to as usize {
         ticks.resize(high as usize, 0);
     }
-    ticks[from as usize..to as usize].fill(tick);
+    // (a block leaving the quick cache brings the older tick of its user's free: a page it
+    // shares with a block freed since keeps the later one)
+    for t in &mut ticks[from as usize..to as usize] {
+        *t = (*t).max(tick);
+    }
 }
 
 /// The mapped pages of an expandable segment: one bit per page.

@@ -38,7 +38,7 @@ impl CachingPool {
         let quick = self
             .quick
             .iter()
-            .map(|&(_, _, id)| self.blocks[id as usize].size);
+            .map(|&(_, _, id, _)| self.blocks[id as usize].size);
         free.chain(quick).max().unwrap_or(0)
     }
 

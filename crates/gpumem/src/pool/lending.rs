@@ -132,7 +132,7 @@ impl CachingPool {
             self.record(Action::FreeRequested, addr, req, user);
             self.record(Action::FreeCompleted, addr, req, user);
         }
-        self.free_block_used_by(id, Some(user));
+        self.free_block_used_by(id, Some(user), None);
         Ok(())
     }
 

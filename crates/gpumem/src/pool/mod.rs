@@ -332,7 +332,8 @@ pub struct CachingPool {
     /// free blocks of `streams[i]`: `free[i][0]` small pool, `free[i][1]` large pool
     free: Vec<[FreeIndex; 2]>,
     live: FxHashMap<DevPtr, u32>,
-    quick: Vec<(u64, Stream, u32)>,
+    /// `(rounded size, stream, block, tick of the user's free)`
+    quick: Vec<(u64, Stream, u32, u64)>,
     /// +8 per quick-cache hit, -1 per miss, within ±64: below 0 the cache is mostly bypassed
     quick_score: i32,
     quick_probe: u32,
@@ -348,6 +349,8 @@ pub struct CachingPool {
     /// outlive their streams), so a checkpoint may be recorded there when another stream
     /// needs one (see `events.rs`)
     live_on: Vec<(Stream, u32)>,
+    /// the stream whose user is freeing a block now (so it is alive), during a free
+    freeing: Option<Stream>,
     stats: HotStats,
     tick: u64,
     /// highest allocated bytes seen when mapping pages (expandable segments)
@@ -433,6 +436,7 @@ impl CachingPool {
             deferred: Vec::new(),
             streams: Vec::new(),
             live_on: Vec::new(),
+            freeing: None,
             stats: HotStats::default(),
             tick: 0,
             peak_allocated: 0,

@@ -120,7 +120,7 @@ impl CachingPool {
         let Some(pos) = self
             .quick
             .iter()
-            .rposition(|&(s, st, _)| s == size && st == stream)
+            .rposition(|&(s, st, _, _)| s == size && st == stream)
         else {
             self.quick_score = (self.quick_score - 1).max(-64);
             if self.quick_score < 0 {
@@ -136,7 +136,7 @@ impl CachingPool {
     /// Take entry `pos` out of the quick cache; returns its block.
     #[inline]
     pub(super) fn take_quick_at(&mut self, pos: usize) -> u32 {
-        let (_, _, id) = self.quick.swap_remove(pos);
+        let (_, _, id, _) = self.quick.swap_remove(pos);
         self.unmark_inactive(id);
         id
     }
@@ -259,7 +259,16 @@ impl CachingPool {
         }
     }
 
+    /// Return handed-out block `id` to the pool (the user's free: its stream is alive now).
+    #[inline]
     pub(super) fn release(&mut self, id: u32) -> Result<()> {
+        let r = self.release_inner(id);
+        self.freeing = None;
+        r
+    }
+
+    #[inline(always)]
+    fn release_inner(&mut self, id: u32) -> Result<()> {
         if self.plans.busy() {
             let b = &self.blocks[id as usize];
             let (size, stream) = (b.rounded, b.stream);
@@ -270,11 +279,13 @@ impl CachingPool {
         if !self.lent.is_empty() {
             if let Some(user) = self.lent.remove(&id) {
                 self.count_live(user, false);
+                self.freeing = Some(user);
                 return self.release_lent(id, user);
             }
         }
         let stream = self.blocks[id as usize].stream;
         self.count_live(stream, false);
+        self.freeing = Some(stream);
         let b = &mut self.blocks[id as usize];
         let (kind, size, req) = (b.kind, b.size, b.requested);
         let deferred = b.uses.is_some();
@@ -300,14 +311,23 @@ impl CachingPool {
             return Ok(());
         }
         if self.quick.len() >= self.policy.quick_cap {
-            let (_, _, old) = self.quick.remove(0);
+            let (_, _, old, freed_at) = self.quick.remove(0);
             self.unmark_inactive(old);
-            self.free_block(old);
+            self.free_block_freed_at(old, freed_at);
         }
+        // (the user's free has a tick of its own: a checkpoint recorded from now on covers the
+        // block's work, whenever the block leaves the cache)
+        self.tick += 1;
         let b = &mut self.blocks[id as usize];
         b.state = State::Quick;
-        self.quick.push((b.rounded, b.stream, id));
+        self.quick.push((b.rounded, b.stream, id, self.tick));
         self.mark_inactive(id);
+        if self.policy.page.is_some() && self.streams.len() >= 2 && self.handed_out_on(stream) == 0
+        {
+            // the stream's last block: a checkpoint now covers its frees so far (once it is
+            // flushed from the cache, this block's free may find the stream gone)
+            self.checkpoint_on_free(stream);
+        }
         Ok(())
     }
 

@@ -752,6 +752,30 @@ fn no_checkpoint_is_recorded_on_a_stream_with_nothing_handed_out() {
     p.check_invariants().unwrap();
 }
 
+#[test]
+fn a_block_flushed_later_records_nothing_on_a_stream_that_may_be_gone() {
+    // A's last block goes to the quick cache (A may be destroyed after this free): the free
+    // records a checkpoint on A then; flushing the block later records nothing there
+    let (mut p, dev) = vmm_pool(1 << 40);
+    dev.set_auto_complete(false);
+    let _b = alloc(&mut p, B, 4 * MIB);
+    let a = alloc(&mut p, A, 4096);
+    let n = p.stats().num_checkpoints;
+    free(&mut p, a);
+    assert_eq!(
+        p.stats().num_checkpoints,
+        n + 1,
+        "the last free covers A's frees"
+    );
+    p.empty_cache(); // flushes the quick cache
+    assert_eq!(
+        p.stats().num_checkpoints,
+        n + 1,
+        "nothing recorded on A later"
+    );
+    p.check_invariants().unwrap();
+}
+
 const C: Stream = Stream(3);
 
 /// Two streams in turn: `A` allocated and freed 100 MiB (its kernels still run), a third
