@@ -14,8 +14,8 @@
 //! stream it was lent to and its free tick (`CachingPool::foreign`); whoever takes it next (the
 //! owner, or a third stream) first waits for a checkpoint of that stream covering the free
 //! (recorded when needed: see `CachingPool::cover`), and its pages are not unmapped before that
-//! stream is known done with them. A block that merges
-//! with such a block inherits what it remembers.
+//! stream is known done with them. A block that merges with such a block inherits what it
+//! remembers.
 
 use super::*;
 
