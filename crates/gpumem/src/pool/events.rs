@@ -220,7 +220,7 @@ impl CachingPool {
             return;
         }
         let tick = self.tick;
-        let last = self.streams.len() >= 2 && handed_out == 0;
+        let last = self.gave_back_last(stream);
         let fresh = match self.checkpoints_of(stream).outstanding.back() {
             None => true,
             Some(&(_, covers)) => last && covers < tick,
@@ -267,6 +267,12 @@ impl CachingPool {
     /// alive) and does not capture a graph.
     pub(super) fn may_record_on(&self, stream: Stream) -> bool {
         self.handed_out_on(stream) > 0 && !self.capturing(stream)
+    }
+
+    /// Whether `stream` has just given back its last block handed out while the pool has
+    /// several streams: it may be destroyed now, so its frees get a fresh checkpoint.
+    pub(super) fn gave_back_last(&self, stream: Stream) -> bool {
+        self.streams.len() >= 2 && self.handed_out_on(stream) == 0
     }
 
     /// Blocks handed out on `stream`.

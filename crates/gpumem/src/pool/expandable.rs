@@ -519,13 +519,12 @@ impl CachingPool {
         };
         self.order_for_foreign(seg, current);
         let mut runs = self.free_mapped_runs(seg, want, tick, Some(current));
-        if tick < self.tick && runs.iter().map(|r| r.1).sum::<u64>() < want {
+        let have: u64 = runs.iter().map(|r| r.1).sum();
+        if tick < self.tick && have < want && self.may_record_on(owner) {
             // the pages freed since, through a checkpoint recorded on demand
-            if self.may_record_on(owner) {
-                let all = self.free_mapped_runs(seg, want, self.tick, Some(current));
-                if all.iter().map(|r| r.1).sum::<u64>() > runs.iter().map(|r| r.1).sum() {
-                    (tick, runs) = (self.tick, all);
-                }
+            let all = self.free_mapped_runs(seg, want, self.tick, Some(current));
+            if all.iter().map(|r| r.1).sum::<u64>() > have {
+                (tick, runs) = (self.tick, all);
             }
         }
         if runs.is_empty() {

@@ -322,8 +322,7 @@ impl CachingPool {
         b.state = State::Quick;
         self.quick.push((b.rounded, b.stream, id, self.tick));
         self.mark_inactive(id);
-        if self.policy.page.is_some() && self.streams.len() >= 2 && self.handed_out_on(stream) == 0
-        {
+        if self.policy.page.is_some() && self.gave_back_last(stream) {
             // the stream's last block: a checkpoint now covers its frees so far (once it is
             // flushed from the cache, this block's free may find the stream gone)
             self.checkpoint_on_free(stream);
