@@ -147,7 +147,7 @@ impl CachingPool {
                         }
                         if s.planned {
                             // a planned region's free blocks are its plan's, not the free sets'
-                            if !self.plan_owns_free(seg, id) {
+                            if !self.plan_lists(seg, id) {
                                 return Err(format!(
                                     "free block {:#x} unknown to its plan",
                                     b.addr

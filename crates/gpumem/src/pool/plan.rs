@@ -640,8 +640,9 @@ pub(super) struct Plan {
     cursor: Option<u32>,
     /// the region's segment, once mapped
     seg: u32,
-    /// the region's free blocks by address
-    free_at: BTreeMap<u64, u32>,
+    /// the region's blocks by address, free or not (a block taken back as it was, the
+    /// common case in a job in step, changes nothing here)
+    starts: BTreeMap<u64, u32>,
     /// pool tick when the plan was last in step
     used: u64,
     /// starts at which the plan would have taken more memory than the dynamic layout holds;
@@ -680,7 +681,7 @@ impl Plan {
             windows,
             cursor: None,
             seg: NIL,
-            free_at: BTreeMap::new(),
+            starts: BTreeMap::new(),
             used: 0,
             declines: 0,
             since: 0,
@@ -838,13 +839,17 @@ impl CachingPool {
             self.plans.born.resize(idx + 1, NONE);
         }
         let live = self.stats.allocated_large();
+        let idle = self.plans.current.is_some_and(|i| {
+            let p = &self.plans.plans[i];
+            p.seg != NIL && self.plans.repeats.events() >= p.since + p.layout.prints.len() as u64
+        });
         if free {
             let born = std::mem::replace(&mut self.plans.born[idx], NONE);
             // a free whose allocation the detector never saw still counts as a free
             let born = if born == NONE { NONE - 1 } else { born };
-            self.plans.repeats.note(born, size, stream, live);
+            self.plans.repeats.note(born, size, stream, live, idle);
         } else {
-            let n = self.plans.repeats.note(NONE, size, stream, live);
+            let n = self.plans.repeats.note(NONE, size, stream, live, idle);
             self.plans.born[idx] = n;
         }
         if self.plans.current.is_none() && !self.plans.plans.is_empty() {
@@ -1101,7 +1106,7 @@ impl CachingPool {
                 self.segments[seg as usize].planned = true;
                 let p = &mut self.plans.plans[i];
                 p.seg = seg;
-                p.free_at.insert(self.blocks[head as usize].addr, head);
+                p.starts.insert(self.blocks[head as usize].addr, head);
                 self.blocks[head as usize].state = State::Free;
                 Ok(())
             }
@@ -1196,8 +1201,10 @@ impl CachingPool {
             let next = self.blocks[id as usize].next;
             if self.blocks[id as usize].state == State::Free {
                 self.leave_free(id);
-                self.plan_enter_free(i, id);
+                self.plan_enter_free(id);
             }
+            let addr = self.blocks[id as usize].addr;
+            self.plans.plans[i].starts.insert(addr, id);
             id = next;
         }
         self.segments[seg as usize].planned = true;
@@ -1350,13 +1357,14 @@ impl CachingPool {
         let seg = self.plans.plans[i].seg;
         let addr = self.segments[seg as usize].addr + off;
         let end = addr + size;
-        let (&at, &id) = self.plans.plans[i].free_at.range(..=addr).next_back()?;
+        // the block that holds `addr`, which must be free
+        let (&at, &id) = self.plans.plans[i].starts.range(..=addr).next_back()?;
         // the free blocks from `id` on must reach `end` with nothing handed out between
         let (mut last, mut reach) = {
             let b = &self.blocks[id as usize];
             (id, b.addr + b.size)
         };
-        if reach <= addr {
+        if reach <= addr || self.blocks[id as usize].state != State::Free {
             return None;
         }
         while reach < end {
@@ -1367,13 +1375,12 @@ impl CachingPool {
             reach += self.blocks[n as usize].size;
             last = n;
         }
-        self.plans.plans[i].free_at.remove(&at);
         self.unmark_inactive(id);
         let mut joined = id;
         while joined != last {
             joined = self.blocks[id as usize].next;
             self.plans.plans[i]
-                .free_at
+                .starts
                 .remove(&self.blocks[joined as usize].addr);
             self.unmark_inactive(joined);
             self.absorb_next(id);
@@ -1384,12 +1391,14 @@ impl CachingPool {
             self.split_exact(id, addr - at);
             let front = id;
             id = self.blocks[front as usize].next;
-            self.plan_enter_free(i, front);
+            self.plan_enter_free(front);
+            self.plans.plans[i].starts.insert(addr, id);
         }
         if self.blocks[id as usize].size > size {
             self.split_exact(id, size);
             let rest = self.blocks[id as usize].next;
-            self.plan_enter_free(i, rest);
+            self.plan_enter_free(rest);
+            self.plans.plans[i].starts.insert(end, rest);
         }
         if self.plan_map(i, id).is_err() {
             // no memory for it now: the dynamic pool serves the request
@@ -1399,11 +1408,10 @@ impl CachingPool {
         Some(id)
     }
 
-    fn plan_enter_free(&mut self, i: usize, id: u32) {
-        let b = &mut self.blocks[id as usize];
-        b.state = State::Free;
-        let addr = b.addr;
-        self.plans.plans[i].free_at.insert(addr, id);
+    /// Block `id` of a planned region is free: its plan's (a planned region's free blocks
+    /// stay out of the free sets).
+    fn plan_enter_free(&mut self, id: u32) {
+        self.blocks[id as usize].state = State::Free;
         self.mark_inactive(id);
     }
 
@@ -1415,13 +1423,16 @@ impl CachingPool {
 
     /// Return block `id` of a planned region to it, as it is: its free neighbours join it
     /// only when a request needs their bytes together (`plan_carve`).
+    #[inline]
     pub(super) fn plan_release(&mut self, id: u32) {
-        let seg = self.blocks[id as usize].segment;
-        let Some(i) = self.plans.plans.iter().position(|p| p.seg == seg) else {
-            debug_assert!(false, "a planned segment without its plan");
-            return;
-        };
-        self.plan_enter_free(i, id);
+        debug_assert!(
+            {
+                let seg = self.blocks[id as usize].segment;
+                self.plans.plans.iter().any(|p| p.seg == seg)
+            },
+            "a planned segment without its plan"
+        );
+        self.plan_enter_free(id);
     }
 
     /// Give plan `i` up: it leaves its region, and is forgotten.
@@ -1440,10 +1451,14 @@ impl CachingPool {
         }
         let p = &mut self.plans.plans[i];
         let seg = std::mem::replace(&mut p.seg, NIL);
-        let free = std::mem::take(&mut p.free_at);
+        let starts = std::mem::take(&mut p.starts);
         if seg == NIL {
             return;
         }
+        let free: Vec<u32> = starts
+            .into_values()
+            .filter(|&id| self.blocks[id as usize].state == State::Free)
+            .collect();
         self.segments[seg as usize].planned = false;
         let stream = self.segments[seg as usize].stream;
         self.tick += 1;
@@ -1453,7 +1468,7 @@ impl CachingPool {
         );
         // (free neighbours become one, as the free sets expect)
         let mut merged: Vec<u32> = Vec::with_capacity(free.len());
-        for (_, id) in free {
+        for id in free {
             self.unmark_inactive(id);
             match merged.last() {
                 Some(&m) if self.blocks[m as usize].next == id => self.absorb_next(m),
@@ -1485,13 +1500,13 @@ impl CachingPool {
         self.plans.born.clear();
     }
 
-    /// Whether free block `id` of planned segment `seg` is listed by its plan.
-    pub(super) fn plan_owns_free(&self, seg: u32, id: u32) -> bool {
+    /// Whether block `id` of planned segment `seg` is listed by its plan.
+    pub(super) fn plan_lists(&self, seg: u32, id: u32) -> bool {
         let addr = self.blocks[id as usize].addr;
         self.plans
             .plans
             .iter()
-            .any(|p| p.seg == seg && p.free_at.get(&addr) == Some(&id))
+            .any(|p| p.seg == seg && p.starts.get(&addr) == Some(&id))
     }
 
     /// Each plan's length in events and the job's period (twice the period: a plan of two).
@@ -1523,6 +1538,23 @@ impl CachingPool {
             }
             if !self.segments[p.seg as usize].planned {
                 return Err(format!("plan {i} holds a segment not marked planned"));
+            }
+            // its list of the region's blocks is the region's
+            let mut id = self.segments[p.seg as usize].head;
+            let mut n = 0;
+            while id != NIL {
+                let addr = self.blocks[id as usize].addr;
+                if p.starts.get(&addr) != Some(&id) {
+                    return Err(format!("plan {i} does not list its block at {addr:#x}"));
+                }
+                n += 1;
+                id = self.blocks[id as usize].next;
+            }
+            if n != p.starts.len() {
+                return Err(format!(
+                    "plan {i} lists {} blocks, its region has {n}",
+                    p.starts.len()
+                ));
             }
         }
         let planned = self

@@ -10,8 +10,10 @@
 //! Periods are found by content: a hash of the last [`WINDOW`] events; one window in
 //! [`SAMPLE`] (by its hash, so the same windows are sampled in every period) is remembered
 //! with where it was seen, and seeing it again proposes the distance as a period. Each event
-//! costs a hash update and one comparison per candidate (at most [`CANDIDATES`]); the memory
-//! is bounded ([`MAX_PERIOD`] events of history, a bounded table of windows).
+//! costs a hash update and one comparison per candidate (at most [`CANDIDATES`]), and only
+//! the hash update while a plan follows the job (`plan.rs`: its cursor compares each event
+//! with the plan, the same comparison); the memory is bounded ([`MAX_PERIOD`] events of
+//! history, a bounded table of windows).
 
 use rustc_hash::FxHashMap;
 
@@ -116,17 +118,24 @@ impl Repeats {
 
     /// An allocation (`born`: [`NONE`]) or a free (`born`: the index [`Repeats::note`]
     /// returned for the block's allocation) of a block of `size` rounded bytes on `stream`,
-    /// with `live` allocated bytes after it. Returns the event's index.
+    /// with `live` allocated bytes after it. Returns the event's index. `idle`: a plan has
+    /// followed the job for a whole period and follows it still (its cursor compares every
+    /// event with the plan, which is what the detector would compare it with): the event is
+    /// only recorded (the history and the rolling hash, which finding the job again needs),
+    /// and the detector starts afresh when the plan loses the job.
     #[inline]
-    pub(super) fn note(&mut self, born: u64, size: u64, stream: u64, live: u64) -> u64 {
+    pub(super) fn note(&mut self, born: u64, size: u64, stream: u64, live: u64, idle: bool) -> u64 {
         let print = print(born != NONE, size, stream);
         let n = self.n;
-        self.push(Entry {
-            print,
-            live,
-            size,
-            born,
-        });
+        self.push(
+            Entry {
+                print,
+                live,
+                size,
+                born,
+            },
+            idle,
+        );
         n
     }
 
@@ -151,13 +160,17 @@ impl Repeats {
         self.ring[(i as usize) & (self.ring.len() - 1)]
     }
 
-    fn push(&mut self, e: Entry) {
+    fn push(&mut self, e: Entry, idle: bool) {
         if self.n as usize >= self.ring.len() && self.ring.len() < (MAX_PERIOD + WINDOW) as usize {
             self.grow();
         }
         let n = self.n;
         // events in a row that match a period back
-        if self.period != 0 {
+        if idle {
+            // (no comparison a period back: that event is long out of the CPU's caches)
+            self.period = 0;
+            self.cands = Default::default();
+        } else if self.period != 0 {
             if self.at(n - self.period).print != e.print {
                 self.period = 0;
                 self.cands = Default::default();
@@ -192,7 +205,7 @@ impl Repeats {
         let len = self.ring.len();
         self.ring[(n as usize) & (len - 1)] = e;
         self.n += 1;
-        if self.period == 0 && self.n >= WINDOW && self.hash & (SAMPLE - 1) == 0 {
+        if !idle && self.period == 0 && self.n >= WINDOW && self.hash & (SAMPLE - 1) == 0 {
             self.propose();
         }
     }
@@ -265,6 +278,11 @@ mod tests {
     /// Feed `steps` steps of `step` (size, free) events, returning whether it repeats after
     /// each step.
     fn run(r: &mut Repeats, step: &[(u64, bool)], steps: usize) -> Vec<bool> {
+        run_idle(r, step, steps, false)
+    }
+
+    /// [`run`], with a plan following the job (`idle`) or not.
+    fn run_idle(r: &mut Repeats, step: &[(u64, bool)], steps: usize, idle: bool) -> Vec<bool> {
         let mut live = 0u64;
         let mut out = Vec::new();
         for _ in 0..steps {
@@ -274,7 +292,7 @@ mod tests {
                 } else {
                     live += size;
                 }
-                r.note(if free { 0 } else { NONE }, size, 0, live);
+                r.note(if free { 0 } else { NONE }, size, 0, live, idle);
             }
             out.push(r.repeating());
         }
@@ -310,14 +328,36 @@ mod tests {
     }
 
     #[test]
+    fn while_a_plan_follows_the_job_events_are_only_recorded_and_it_is_found_again_after() {
+        let (mut a, mut b) = (Repeats::default(), Repeats::default());
+        let step = training_step(6);
+        run(&mut a, &step, 3);
+        run(&mut b, &step, 3);
+        let found = a.found;
+        // a plan follows the job: no period is kept, none is found, and the history and the
+        // rolling hash (which finding the job in a plan needs) are what they would be
+        assert!(run_idle(&mut a, &step, 4, true).iter().all(|&x| !x));
+        run(&mut b, &step, 4);
+        assert_eq!(
+            (a.found, a.hash(), a.events()),
+            (found, b.hash(), b.events())
+        );
+        assert_eq!(a.last(step.len() as u64).map(|v| v.len()), Some(step.len()));
+        // the plan loses the job: the detector finds the period again, as it first did
+        let seen = run(&mut a, &step, 3);
+        assert!(seen[1..].iter().all(|&x| x), "{seen:?}");
+        assert_eq!((a.found, a.period()), (found + 1, step.len() as u64));
+    }
+
+    #[test]
     fn a_different_event_ends_the_repeat_and_it_is_found_again() {
         let mut r = Repeats::default();
         let step = training_step(4);
         run(&mut r, &step, 4);
         assert!(r.repeating());
-        r.note(NONE, 7777, 0, 1);
+        r.note(NONE, 7777, 0, 1, false);
         assert!(!r.repeating());
-        r.note(0, 7777, 0, 0);
+        r.note(0, 7777, 0, 0, false);
         let seen = run(&mut r, &step, 4);
         assert!(seen[2..].iter().all(|&x| x), "{seen:?}");
     }
@@ -333,7 +373,7 @@ mod tests {
             x ^= x << 17;
             let size = 512 * (1 + x % 1000);
             live += size;
-            r.note(NONE, size, 0, live);
+            r.note(NONE, size, 0, live, false);
             assert!(!r.repeating());
         }
         assert!(r.seen.len() <= MAX_SEEN);
