@@ -32,8 +32,16 @@ use super::*;
 /// Fewest allocations in a period worth a plan (below it, the quick cache serves the job
 /// as well: the same blocks back and forth).
 pub(super) const MIN_ALLOCS: usize = 8;
-/// Most allocations in a period the planner places (its work grows with their square).
-pub(super) const MAX_ALLOCS: usize = 16_384;
+/// What a pair of blocks whose lives meet costs the placer, in pairs whose lives do not
+/// (those it tells apart by a mask, before the exact test): on the dev VM, 8,000 blocks
+/// that all meet took 1.96 s to place, and 21,681 of `random_256_live`'s period, each meeting
+/// about 256 others, 0.92 s.
+const MEETING_COST: u64 = 46;
+/// The most work the planner does ([`place_work`]): what 8,192 blocks whose lives all meet
+/// make (about 2 s on the dev VM; it was the limit when the planner took at most 8,192
+/// allocations a period, whatever their lives). A longer period of short lives is planned
+/// too: a job's sequence of random sizes over 256 live blocks, 21,681 allocations a period.
+const MAX_WORK: u64 = 8_192 * 8_192 + MEETING_COST * (8_192 * 8_193 / 2);
 /// Plans kept at once (phases of a job); beyond, the one used longest ago is dissolved.
 const MAX_PLANS: usize = 4;
 /// Times in a row a plan may take its region and lose the job before one whole cycle of its
@@ -544,7 +552,9 @@ pub(super) fn layout(
         .into_iter()
         .filter(|(a, l)| events[*a as usize].print == repeat::print(false, l.size, stream.0))
         .collect();
-    if mine.len() < MIN_ALLOCS || mine.len() > MAX_ALLOCS {
+    if mine.len() < MIN_ALLOCS
+        || place_work(mine.iter().map(|(_, l)| l), mine.len(), period) > MAX_WORK
+    {
         return None;
     }
     // where the fewest planned bytes are held: the plan starts at that allocation
@@ -600,6 +610,32 @@ pub(super) fn layout(
         half,
         stream,
     })
+}
+
+/// The placer's work for `n` blocks with lives `lives` over `period` positions: every pair
+/// of blocks is told apart by a mask, and a pair whose lives meet costs [`MEETING_COST`]
+/// such pairs more. A pair meets where one's life begins while the other is held, so each
+/// block counts the blocks held where its own life begins (itself too: the count is about).
+fn place_work<'a>(lives: impl Iterator<Item = &'a Life> + Clone, n: usize, period: u32) -> u64 {
+    let mut diff = vec![0i64; period as usize + 1];
+    for l in lives.clone() {
+        for (a, b) in l.spans(period) {
+            if a < b {
+                diff[a as usize] += 1;
+                diff[b as usize] -= 1;
+            }
+        }
+    }
+    let mut held = Vec::with_capacity(period as usize);
+    let mut now = 0i64;
+    for d in &diff[..period as usize] {
+        now += d;
+        held.push(now.max(0) as u64);
+    }
+    let meeting: u64 = lives
+        .map(|l| held[l.start as usize % held.len().max(1)])
+        .sum();
+    (n as u64).pow(2) + MEETING_COST * meeting
 }
 
 /// The stream's large expandable segment a plan takes over, with the ranges of the blocks that
@@ -931,7 +967,7 @@ impl CachingPool {
         let stream = Stream(stream);
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let allocs = events.iter().filter(|e| e.born == NONE).count();
-        if !(MIN_ALLOCS..=MAX_ALLOCS / 2).contains(&allocs) {
+        if allocs < MIN_ALLOCS {
             return;
         }
         // two periods where the detector still has them (see `layout`)
@@ -1600,6 +1636,23 @@ mod tests {
         assert!(worth_planning(10 * g, 8 * g, 8 * g + g / 5, 10 * g + g / 2));
         // a region smaller than what it replaces always pays
         assert!(worth_planning(10 * g, 8 * g, 7 * g, 10 * g));
+    }
+
+    #[test]
+    fn the_planner_takes_the_work_of_8192_blocks_that_all_meet_or_a_long_period_of_short_lives() {
+        // blocks allocated one after another and freed in reverse: every two meet
+        let nested =
+            |n: u32| -> Vec<Life> { (0..n).map(|i| life(MIN_BLOCK, i, 2 * n - 1 - i)).collect() };
+        let work = |lives: &[Life], period: u32| place_work(lives.iter(), lives.len(), period);
+        assert_eq!(work(&nested(8_192), 16_384), MAX_WORK);
+        assert!(work(&nested(8_193), 16_386) > MAX_WORK);
+        // 30,000 blocks each held over the next 512 positions (the last ones wrap around):
+        // each meets about 256 others
+        let short: Vec<Life> = (0..30_000)
+            .map(|i| life(MIN_BLOCK, 2 * i, (2 * i + 512) % 60_000))
+            .collect();
+        let w = work(&short, 60_000);
+        assert!(w <= MAX_WORK && w > 30_000u64.pow(2), "{w}");
     }
 
     #[test]
