@@ -35,7 +35,8 @@ pub struct Row {
 const PASS_OPS: usize = 1 << 16;
 
 /// Warm-up of the random scenarios: passes over the workload ([`PASS_OPS`] each) until one
-/// makes no driver call (the pool has settled: what it maps, it keeps), at most this many.
+/// makes no driver call and ends with no planned layout being computed (the pool has settled:
+/// what it maps, it keeps, and no plan is about to take its region), at most this many.
 pub const MAX_WARM_PASSES: usize = 20;
 
 /// What a benchmark needs from an allocator: one alloc and one free.
@@ -51,6 +52,11 @@ pub trait Api: Sync {
     /// Driver calls made so far (gpumem's statistics).
     fn device_calls(&self) -> u64 {
         0
+    }
+    /// Whether the allocator is still settling on its own (gpumem: a planned layout being
+    /// computed off the allocating thread, which takes its region at a coming pass).
+    fn settling(&self) -> bool {
+        false
     }
 }
 
@@ -72,6 +78,9 @@ impl Api for Gpumem {
     fn device_calls(&self) -> u64 {
         let s = self.0.stats();
         s.num_device_alloc + s.num_device_free
+    }
+    fn settling(&self) -> bool {
+        self.0.stats().plans_computing > 0
     }
 }
 
@@ -220,8 +229,8 @@ fn warm_set<A: Api>(api: &A, w: &RandomLive) -> Vec<A::Handle> {
     (0..w.live).map(|i| api.alloc(w.sizes[i])).collect()
 }
 
-/// Warm-up passes over `w` until one makes no driver call (at most [`MAX_WARM_PASSES`]);
-/// returns how many ran.
+/// Warm-up passes over `w` until one makes no driver call and ends with no layout being
+/// planned (at most [`MAX_WARM_PASSES`]); returns how many ran.
 fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &ProgressBar) -> usize {
     let n = api.budget(w.sizes.len());
     for pass in 1..=MAX_WARM_PASSES {
@@ -230,7 +239,7 @@ fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &Pro
         }
         let calls = api.device_calls();
         random_steps(api, w, live, n, pb);
-        if api.device_calls() == calls {
+        if api.device_calls() == calls && !api.settling() {
             return pass;
         }
     }
@@ -264,8 +273,8 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
 
 /// `random_256_live_N_threads`: the same on N threads at once, each with its own live set;
 /// ns per op = wall time / all ops of all threads (so 8 threads that never wait show 1/8 of
-/// the single-thread figure). Warm-up passes run on all threads at once, until one makes no
-/// driver call (see [`MAX_WARM_PASSES`]).
+/// the single-thread figure). Warm-up passes run on all threads at once, until the pool has
+/// settled (see [`MAX_WARM_PASSES`]).
 pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &ProgressBar) -> Row {
     let ops = api.budget(ops);
     let barrier = Barrier::new(threads + 1);
@@ -298,7 +307,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
             warm += 1;
             barrier.wait(); // the threads' pass is done
             let now = api.device_calls();
-            let done = now == calls || warm == MAX_WARM_PASSES;
+            let done = (now == calls && !api.settling()) || warm == MAX_WARM_PASSES;
             calls = now;
             if done {
                 warming.store(false, Ordering::Release);
@@ -406,7 +415,7 @@ fn print(out: &BenchOut) {
             r.warm_passes
         );
     }
-    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call, at most {MAX_WARM_PASSES})");
+    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no layout being planned, at most {MAX_WARM_PASSES})");
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -804,6 +804,11 @@ impl Plans {
     pub(super) fn busy(&self) -> bool {
         !self.plans.is_empty() || self.planning.is_some()
     }
+
+    /// Whether a layout is being computed on a thread of its own now.
+    pub(super) fn computing(&self) -> bool {
+        matches!(&self.planning, Some(Planning::Thread(h)) if !h.is_finished())
+    }
 }
 
 impl CachingPool {
@@ -1636,6 +1641,25 @@ mod tests {
         assert!(worth_planning(10 * g, 8 * g, 8 * g + g / 5, 10 * g + g / 2));
         // a region smaller than what it replaces always pays
         assert!(worth_planning(10 * g, 8 * g, 7 * g, 10 * g));
+    }
+
+    #[test]
+    fn a_layout_on_a_thread_of_its_own_counts_as_computing_until_it_is_done() {
+        let mut p = Plans::new(true);
+        assert!(!p.computing());
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::spawn(move || {
+            let _ = wait.recv();
+            None
+        });
+        p.planning = Some(Planning::Thread(h));
+        assert!(p.computing() && p.busy());
+        go.send(()).unwrap();
+        while p.computing() {
+            std::thread::yield_now();
+        }
+        // done, not yet taken up by the pool
+        assert!(p.busy());
     }
 
     #[test]
