@@ -35,8 +35,8 @@ pub struct Row {
 const PASS_OPS: usize = 1 << 16;
 
 /// Warm-up of the random scenarios: passes over the workload ([`PASS_OPS`] each) until one
-/// makes no driver call and ends with no planned layout being computed (the pool has settled:
-/// what it maps, it keeps, and no plan is about to take its region), at most this many.
+/// makes no driver call and ends with no plan on its way (the pool has settled: what it maps,
+/// it keeps, and no plan is about to take its region), at most this many.
 pub const MAX_WARM_PASSES: usize = 20;
 
 /// What a benchmark needs from an allocator: one alloc and one free.
@@ -54,7 +54,7 @@ pub trait Api: Sync {
         0
     }
     /// Whether the allocator is still settling on its own (gpumem: a planned layout being
-    /// computed off the allocating thread, which takes its region at a coming pass).
+    /// computed off the allocating thread, or made and not yet in its region).
     fn settling(&self) -> bool {
         false
     }
@@ -80,7 +80,7 @@ impl Api for Gpumem {
         s.num_device_alloc + s.num_device_free
     }
     fn settling(&self) -> bool {
-        self.0.stats().plans_computing > 0
+        self.0.stats().plans_pending > 0
     }
 }
 
@@ -229,8 +229,8 @@ fn warm_set<A: Api>(api: &A, w: &RandomLive) -> Vec<A::Handle> {
     (0..w.live).map(|i| api.alloc(w.sizes[i])).collect()
 }
 
-/// Warm-up passes over `w` until one makes no driver call and ends with no layout being
-/// planned (at most [`MAX_WARM_PASSES`]); returns how many ran.
+/// Warm-up passes over `w` until one makes no driver call and ends with no plan on its way
+/// (at most [`MAX_WARM_PASSES`]); returns how many ran.
 fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &ProgressBar) -> usize {
     let n = api.budget(w.sizes.len());
     for pass in 1..=MAX_WARM_PASSES {
@@ -415,7 +415,7 @@ fn print(out: &BenchOut) {
             r.warm_passes
         );
     }
-    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no layout being planned, at most {MAX_WARM_PASSES})");
+    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way, at most {MAX_WARM_PASSES})");
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

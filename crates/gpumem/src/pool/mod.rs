@@ -486,7 +486,7 @@ impl CachingPool {
         s.num_move_stops = self.budget.stops;
         if self.plans.busy() {
             s.plan_reserved_bytes = self.planned_bytes();
-            s.plans_computing = u64::from(self.plans.computing());
+            s.plans_pending = self.plans.pending();
         }
         s
     }

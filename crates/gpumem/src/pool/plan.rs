@@ -805,9 +805,16 @@ impl Plans {
         !self.plans.is_empty() || self.planning.is_some()
     }
 
-    /// Whether a layout is being computed on a thread of its own now.
-    pub(super) fn computing(&self) -> bool {
-        matches!(&self.planning, Some(Planning::Thread(h)) if !h.is_finished())
+    /// Plans on their way: a layout being computed (or computed and not yet taken), and plans
+    /// made that have not yet taken their region (at the start of their period), unless
+    /// declined.
+    pub(super) fn pending(&self) -> u64 {
+        u64::from(self.planning.is_some())
+            + self
+                .plans
+                .iter()
+                .filter(|p| p.since == 0 && p.declines < MAX_DECLINES)
+                .count() as u64
     }
 }
 
@@ -1644,22 +1651,24 @@ mod tests {
     }
 
     #[test]
-    fn a_layout_on_a_thread_of_its_own_counts_as_computing_until_it_is_done() {
+    fn a_layout_on_a_thread_of_its_own_is_pending_until_the_pool_takes_it() {
         let mut p = Plans::new(true);
-        assert!(!p.computing());
+        assert_eq!(p.pending(), 0);
         let (go, wait) = std::sync::mpsc::channel::<()>();
         let h = std::thread::spawn(move || {
             let _ = wait.recv();
             None
         });
         p.planning = Some(Planning::Thread(h));
-        assert!(p.computing() && p.busy());
+        assert_eq!(p.pending(), 1);
         go.send(()).unwrap();
-        while p.computing() {
+        while matches!(&p.planning, Some(Planning::Thread(h)) if !h.is_finished()) {
             std::thread::yield_now();
         }
-        // done, not yet taken up by the pool
-        assert!(p.busy());
+        // done, not yet taken by the pool: still on its way
+        assert_eq!(p.pending(), 1);
+        p.planning = None;
+        assert_eq!(p.pending(), 0);
     }
 
     #[test]

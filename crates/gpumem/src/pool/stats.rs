@@ -163,9 +163,10 @@ pub struct Stats {
     pub num_plan_misses: u64,
     /// bytes of the planned regions mapped now (part of the reserved bytes)
     pub plan_reserved_bytes: u64,
-    /// layouts being computed now, off the allocating thread (one pool computes one at a
-    /// time): a plan may arrive, and take its region, at a coming step
-    pub plans_computing: u64,
+    /// plans on their way: layouts being computed off the allocating thread (one a pool at a
+    /// time), and plans made that have not yet taken their region, which they take at the
+    /// start of their period
+    pub plans_pending: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
     pub vmm_calls_foreground: u64,
@@ -309,7 +310,7 @@ impl Stats {
         self.num_plan_allocs += o.num_plan_allocs;
         self.num_plan_misses += o.num_plan_misses;
         self.plan_reserved_bytes += o.plan_reserved_bytes;
-        self.plans_computing += o.plans_computing;
+        self.plans_pending += o.plans_pending;
     }
 
     /// Flat `"allocated_bytes.all.current" → value` map, like `torch.cuda.memory_stats()`.
