@@ -1548,15 +1548,6 @@ impl CachingPool {
         self.plans.born.clear();
     }
 
-    /// Whether block `id` of planned segment `seg` is listed by its plan.
-    pub(super) fn plan_lists(&self, seg: u32, id: u32) -> bool {
-        let addr = self.blocks[id as usize].addr;
-        self.plans
-            .plans
-            .iter()
-            .any(|p| p.seg == seg && p.starts.get(&addr) == Some(&id))
-    }
-
     /// Each plan's length in events and the job's period (twice the period: a plan of two).
     #[cfg(test)]
     pub(super) fn plan_lengths(&self) -> Vec<(u32, u32)> {
