@@ -11,7 +11,7 @@ use serde::Serialize;
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One measured row.
 #[derive(Debug, Clone, Serialize)]
@@ -36,8 +36,44 @@ const PASS_OPS: usize = 1 << 16;
 
 /// Warm-up of the random scenarios: passes over the workload ([`PASS_OPS`] each) until one
 /// makes no driver call and ends with no plan on its way (the pool has settled: what it maps,
-/// it keeps, and no plan is about to take its region), at most this many.
+/// it keeps, and no plan is about to take its region), at most this many passes that end with
+/// no plan on its way. Passes that end while a plan is on its way (its layout is computed off
+/// the allocating thread: a second or so for the 21,000 allocations of a pass) do not count,
+/// for at most [`MAX_PLAN_WAIT`].
 pub const MAX_WARM_PASSES: usize = 20;
+
+/// How long the warm-up waits for plans on their way, at most.
+pub const MAX_PLAN_WAIT: Duration = Duration::from_secs(10);
+
+/// Where a warm-up stands (see [`MAX_WARM_PASSES`]).
+struct Warmup {
+    passes: usize,
+    counted: usize,
+    started: Instant,
+}
+
+impl Warmup {
+    fn new() -> Self {
+        Self {
+            passes: 0,
+            counted: 0,
+            started: Instant::now(),
+        }
+    }
+
+    /// A pass is over, in which the allocator made driver calls or not, and after which a
+    /// plan is on its way or not: whether the warm-up is over.
+    fn pass_done(&mut self, calls: bool, settling: bool) -> bool {
+        self.passes += 1;
+        if !calls && !settling {
+            return true;
+        }
+        if !settling {
+            self.counted += 1;
+        }
+        self.counted >= MAX_WARM_PASSES || self.started.elapsed() >= MAX_PLAN_WAIT
+    }
+}
 
 /// What a benchmark needs from an allocator: one alloc and one free.
 pub trait Api: Sync {
@@ -229,21 +265,21 @@ fn warm_set<A: Api>(api: &A, w: &RandomLive) -> Vec<A::Handle> {
     (0..w.live).map(|i| api.alloc(w.sizes[i])).collect()
 }
 
-/// Warm-up passes over `w` until one makes no driver call and ends with no plan on its way
-/// (at most [`MAX_WARM_PASSES`]); returns how many ran.
+/// Warm-up passes over `w` until the pool has settled (see [`MAX_WARM_PASSES`]); returns how
+/// many ran.
 fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &ProgressBar) -> usize {
     let n = api.budget(w.sizes.len());
-    for pass in 1..=MAX_WARM_PASSES {
-        if pass > 1 {
+    let mut warm = Warmup::new();
+    loop {
+        if warm.passes > 0 {
             pb.inc_length(n as u64);
         }
         let calls = api.device_calls();
         random_steps(api, w, live, n, pb);
-        if api.device_calls() == calls && !api.settling() {
-            return pass;
+        if warm.pass_done(api.device_calls() != calls, api.settling()) {
+            return warm.passes;
         }
     }
-    MAX_WARM_PASSES
 }
 
 /// `random_256_live`: 256 live blocks of 256 B – 64 MiB; free one, allocate another.
@@ -301,13 +337,12 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
             });
         }
         // driver calls are read while every thread waits at a barrier
-        let (mut warm, mut calls) = (0, api.device_calls());
+        let (mut warm, mut calls) = (Warmup::new(), api.device_calls());
         barrier.wait(); // the live sets are allocated
         loop {
-            warm += 1;
             barrier.wait(); // the threads' pass is done
             let now = api.device_calls();
-            let done = (now == calls && !api.settling()) || warm == MAX_WARM_PASSES;
+            let done = warm.pass_done(now != calls, api.settling());
             calls = now;
             if done {
                 warming.store(false, Ordering::Release);
@@ -323,7 +358,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         let t = Instant::now();
         let calls = api.device_calls();
         barrier.wait();
-        (t.elapsed(), api.device_calls() - calls, warm)
+        (t.elapsed(), api.device_calls() - calls, warm.passes)
     });
     let (wall, calls, warm) = wall;
     let per_op = wall.as_nanos() as f64 / (ops * threads) as f64;
@@ -415,7 +450,7 @@ fn print(out: &BenchOut) {
             r.warm_passes
         );
     }
-    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way, at most {MAX_WARM_PASSES})");
+    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
