@@ -780,6 +780,34 @@ fn worth_planning(reserved: u64, mapped: u64, region: u64, high_water: u64) -> b
 /// way, and the blocks pinned where they are (index, offset).
 type Around = (Vec<(u64, u64)>, Vec<(usize, u64)>);
 
+/// Where a planned region's blocks start, by page of its layout: each page's first block
+/// (the lowest that starts in it), or `NIL`. A split or a join in the region changes one
+/// entry; finding the block that holds an address walks back over the pages of one block at
+/// most, then forward over the blocks of one page.
+#[derive(Debug, Default)]
+struct Cover {
+    first: Vec<u32>,
+    /// log2 of the page size
+    shift: u32,
+}
+
+impl Cover {
+    /// The pages of `bytes` of pages of `page` bytes (a power of two), no block yet.
+    fn new(bytes: u64, page: u64) -> Self {
+        Self {
+            first: vec![NIL; bytes.div_ceil(page).max(1) as usize],
+            shift: page.trailing_zeros(),
+        }
+    }
+
+    /// The page of offset `off`, if the layout spans it.
+    #[inline]
+    fn page(&self, off: u64) -> Option<usize> {
+        let k = (off >> self.shift) as usize;
+        (k < self.first.len()).then_some(k)
+    }
+}
+
 /// A plan in use: its layout, its region and where the job stands in it.
 #[derive(Debug)]
 pub(super) struct Plan {
@@ -791,9 +819,9 @@ pub(super) struct Plan {
     cursor: Option<u32>,
     /// the region's segment, once mapped
     seg: u32,
-    /// the region's blocks by address, free or not (a block taken back as it was, the
-    /// common case in a job in step, changes nothing here)
-    starts: BTreeMap<u64, u32>,
+    /// per page of the region's layout, the first of its blocks (free or not) that starts
+    /// in it, or `NIL`: where a slot's bytes begin is found without a search ([`Cover`])
+    cover: Cover,
     /// pool tick when the plan was last in step
     used: u64,
     /// starts at which the plan would have taken more memory than the dynamic layout holds;
@@ -832,7 +860,7 @@ impl Plan {
             windows,
             cursor: None,
             seg: NIL,
-            starts: BTreeMap::new(),
+            cover: Cover::default(),
             used: 0,
             declines: 0,
             since: 0,
@@ -1269,7 +1297,8 @@ impl CachingPool {
                 self.segments[seg as usize].planned = true;
                 let p = &mut self.plans.plans[i];
                 p.seg = seg;
-                p.starts.insert(self.blocks[head as usize].addr, head);
+                p.cover = Cover::new(p.layout.region, self.policy.page.unwrap_or(MIN_BLOCK));
+                p.cover.first[0] = head;
                 self.blocks[head as usize].state = State::Free;
                 Ok(())
             }
@@ -1359,6 +1388,8 @@ impl CachingPool {
         {
             return false;
         }
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let mut cover = Cover::new(self.plans.plans[i].layout.region, page);
         let mut id = self.segments[seg as usize].head;
         while id != NIL {
             let next = self.blocks[id as usize].next;
@@ -1366,12 +1397,17 @@ impl CachingPool {
                 self.leave_free(id);
                 self.plan_enter_free(id);
             }
-            let addr = self.blocks[id as usize].addr;
-            self.plans.plans[i].starts.insert(addr, id);
+            if let Some(k) = cover.page(self.blocks[id as usize].addr - addr) {
+                if cover.first[k] == NIL {
+                    cover.first[k] = id;
+                }
+            }
             id = next;
         }
         self.segments[seg as usize].planned = true;
-        self.plans.plans[i].seg = seg;
+        let p = &mut self.plans.plans[i];
+        p.seg = seg;
+        p.cover = cover;
         true
     }
 
@@ -1518,10 +1554,12 @@ impl CachingPool {
     /// whose bytes no other slot shares takes its block back as it was) become one.
     fn plan_carve(&mut self, i: usize, off: u64, size: u64) -> Option<u32> {
         let seg = self.plans.plans[i].seg;
-        let addr = self.segments[seg as usize].addr + off;
+        let base = self.segments[seg as usize].addr;
+        let addr = base + off;
         let end = addr + size;
         // the block that holds `addr`, which must be free
-        let (&at, &id) = self.plans.plans[i].starts.range(..=addr).next_back()?;
+        let id = self.plan_block_at(i, base, off)?;
+        let at = self.blocks[id as usize].addr;
         // the free blocks from `id` on must reach `end` with nothing handed out between
         let (mut last, mut reach) = {
             let b = &self.blocks[id as usize];
@@ -1542,9 +1580,7 @@ impl CachingPool {
         let mut joined = id;
         while joined != last {
             joined = self.blocks[id as usize].next;
-            self.plans.plans[i]
-                .starts
-                .remove(&self.blocks[joined as usize].addr);
+            self.plan_cover_drop(i, base, joined);
             self.unmark_inactive(joined);
             self.absorb_next(id);
         }
@@ -1555,13 +1591,13 @@ impl CachingPool {
             let front = id;
             id = self.blocks[front as usize].next;
             self.plan_enter_free(front);
-            self.plans.plans[i].starts.insert(addr, id);
+            self.plan_cover_add(i, base, id);
         }
         if self.blocks[id as usize].size > size {
             self.split_exact(id, size);
             let rest = self.blocks[id as usize].next;
             self.plan_enter_free(rest);
-            self.plans.plans[i].starts.insert(end, rest);
+            self.plan_cover_add(i, base, rest);
         }
         if self.plan_map(i, id).is_err() {
             // no memory for it now: the dynamic pool serves the request
@@ -1569,6 +1605,60 @@ impl CachingPool {
             return None;
         }
         Some(id)
+    }
+
+    /// The block of plan `i`'s region (at `base`) that holds offset `off` of its layout.
+    #[inline]
+    fn plan_block_at(&self, i: usize, base: u64, off: u64) -> Option<u32> {
+        let cover = &self.plans.plans[i].cover;
+        let addr = base + off;
+        let mut k = cover.page(off)?;
+        let mut id = cover.first[k];
+        // (no block starts in this page at or below `addr`: the one that holds it starts in
+        // an earlier page, the last one to start there)
+        while id == NIL || self.blocks[id as usize].addr > addr {
+            k = k.checked_sub(1)?;
+            id = cover.first[k];
+        }
+        loop {
+            let b = &self.blocks[id as usize];
+            if b.addr + b.size > addr {
+                return Some(id);
+            }
+            id = b.next;
+            if id == NIL {
+                return None;
+            }
+        }
+    }
+
+    /// Block `id` now starts where it is, in plan `i`'s region (at `base`).
+    #[inline]
+    fn plan_cover_add(&mut self, i: usize, base: u64, id: u32) {
+        let addr = self.blocks[id as usize].addr;
+        let cover = &mut self.plans.plans[i].cover;
+        if let Some(k) = cover.page(addr - base) {
+            let first = cover.first[k];
+            if first == NIL || self.blocks[first as usize].addr > addr {
+                cover.first[k] = id;
+            }
+        }
+    }
+
+    /// Block `id` of plan `i`'s region (at `base`) is about to join the block before it.
+    #[inline]
+    fn plan_cover_drop(&mut self, i: usize, base: u64, id: u32) {
+        let b = &self.blocks[id as usize];
+        let cover = &self.plans.plans[i].cover;
+        let Some(k) = cover.page(b.addr - base) else {
+            return;
+        };
+        if cover.first[k] == id {
+            // the next block of the page, if one starts there
+            let next = b.next;
+            let same = next != NIL && cover.page(self.blocks[next as usize].addr - base) == Some(k);
+            self.plans.plans[i].cover.first[k] = if same { next } else { NIL };
+        }
     }
 
     /// Block `id` of a planned region is free: its plan's (a planned region's free blocks
@@ -1614,14 +1704,18 @@ impl CachingPool {
         }
         let p = &mut self.plans.plans[i];
         let seg = std::mem::replace(&mut p.seg, NIL);
-        let starts = std::mem::take(&mut p.starts);
+        p.cover = Cover::default();
         if seg == NIL {
             return;
         }
-        let free: Vec<u32> = starts
-            .into_values()
-            .filter(|&id| self.blocks[id as usize].state == State::Free)
-            .collect();
+        let mut free: Vec<u32> = Vec::new();
+        let mut id = self.segments[seg as usize].head;
+        while id != NIL {
+            if self.blocks[id as usize].state == State::Free {
+                free.push(id);
+            }
+            id = self.blocks[id as usize].next;
+        }
         self.segments[seg as usize].planned = false;
         let stream = self.segments[seg as usize].stream;
         self.tick += 1;
@@ -1693,21 +1787,21 @@ impl CachingPool {
             if !self.segments[p.seg as usize].planned {
                 return Err(format!("plan {i} holds a segment not marked planned"));
             }
-            // its list of the region's blocks is the region's
+            // its index of the region's blocks is the region's: each page's first block
+            let base = self.segments[p.seg as usize].addr;
+            let mut first = vec![NIL; p.cover.first.len()];
             let mut id = self.segments[p.seg as usize].head;
-            let mut n = 0;
             while id != NIL {
-                let addr = self.blocks[id as usize].addr;
-                if p.starts.get(&addr) != Some(&id) {
-                    return Err(format!("plan {i} does not list its block at {addr:#x}"));
+                if let Some(k) = p.cover.page(self.blocks[id as usize].addr - base) {
+                    if first[k] == NIL {
+                        first[k] = id;
+                    }
                 }
-                n += 1;
                 id = self.blocks[id as usize].next;
             }
-            if n != p.starts.len() {
+            if first != p.cover.first {
                 return Err(format!(
-                    "plan {i} lists {} blocks, its region has {n}",
-                    p.starts.len()
+                    "plan {i}'s index of its region's blocks is out of date"
                 ));
             }
         }
