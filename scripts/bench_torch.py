@@ -52,8 +52,10 @@ Workloads (seeded; bf16 autocast where training):
 Capacity (--capacity): the largest batch each setting runs for --steps steps with --cap-gb of
 the device free (the rest taken with cuMemAlloc outside every allocator before the job), each
 try a fresh process, on gptfix (batch x 1024 tokens), varlen (the gpt job at batch B with a
-length drawn per step) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
-decoder, rank-16 adapters on q and v, every block checkpointed, batch x 1024 tokens).
+length drawn per step, the same lengths at every batch) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
+decoder, rank-16 adapters on q and v, every block checkpointed, batch x 1024 tokens). Each
+setting's throughput at its own largest batch (tokens a second over the steps after the
+third) is given against native's at its own largest.
 """
 import argparse
 import json
@@ -122,13 +124,18 @@ def lm_step(torch, m, opt, x):
     return loss
 
 
-def run_gpt(torch, steps, varlen, batch=8):
+def run_gpt(torch, steps, varlen, batch=8, tokens=None):
+    """`tokens`: a list that gets each step's tokens (batch x length) before its step runs."""
     m = decoder(torch)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(2)
+    # the lengths from a generator of their own: the same lengths whatever the batch (so that
+    # a capacity search compares batches on the same steps)
+    g, lengths = torch.Generator().manual_seed(3), torch.Generator().manual_seed(2)
     for _ in range(steps):
-        seq = 64 * int(torch.randint(2, 17, (1,), generator=g)) if varlen else 1024
+        seq = 64 * int(torch.randint(2, 17, (1,), generator=lengths)) if varlen else 1024
         x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
+        if tokens is not None:
+            tokens.append(batch * seq)
         yield lm_step(torch, m, opt, x)
 
 
@@ -845,14 +852,23 @@ def paired_ratio(r, base, warm=3):
 
 # ----------------------------------------------------------------------------- capacity
 
-# capacity jobs: name -> (make the step generator for a batch, first batch tried)
+def counted(steps, tokens, per_step):
+    """`steps` (a step generator), each step's `per_step` tokens appended to `tokens`."""
+    for step in steps:
+        tokens.append(per_step)
+        yield step
+
+
+# capacity jobs: name -> (make the step generator for a batch, appending each step's tokens to
+# a list, first batch tried)
 CAPACITY_JOBS = {
     # the fixed-shape GPT of gpt_train (gptfix) at batch B x 1024 tokens
-    "gptfix": (lambda torch, steps, b: run_gptfix(torch, steps, B=b), 16),
-    # nn.TransformerEncoder GPT, sequence length drawn per step (128..1024), batch B
-    "varlen": (lambda torch, steps, b: run_gpt(torch, steps, True, batch=b), 16),
+    "gptfix": (lambda torch, steps, b, t: counted(run_gptfix(torch, steps, B=b), t, b * 1024), 16),
+    # nn.TransformerEncoder GPT, sequence length drawn per step (128..1024, the same lengths at
+    # every batch), batch B
+    "varlen": (lambda torch, steps, b, t: run_gpt(torch, steps, True, batch=b, tokens=t), 16),
     # LoRA fine-tuning of a frozen 0.6B-parameter decoder with gradient checkpointing, B x 1024
-    "lora": (lambda torch, steps, b: run_lora(torch, steps, B=b), 16),
+    "lora": (lambda torch, steps, b, t: counted(run_lora(torch, steps, B=b), t, b * 1024), 16),
 }
 
 
@@ -887,11 +903,11 @@ def probe(job, setting, batch, steps, cap):
     torch.manual_seed(0)
     taken = ballast(torch, cap)
     out = {"job": job, "setting": setting, "batch": batch, "ballast": taken}
-    times = []
+    times, tokens = [], []
     try:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in CAPACITY_JOBS[job][0](torch, steps, batch):
+        for _ in CAPACITY_JOBS[job][0](torch, steps, batch, tokens):
             torch.cuda.synchronize()
             now = time.perf_counter()
             times.append((now - t) * 1e3)
@@ -907,6 +923,8 @@ def probe(job, setting, batch, steps, cap):
     out["steps"] = len(times)
     if len(times) > 3:
         out["step_ms"] = statistics.median(times[3:])
+        # throughput over the steps after the third: tokens a second
+        out["tokens_per_s"] = sum(tokens[3 : len(times)]) / (sum(times[3:]) / 1e3)
     stats = (gpumem_torch if setting.startswith("gpumem") else torch.cuda).memory_stats()
     for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_pressure_moves",
               "num_move_stops", "page_map_ns", "num_ooms", "reserved_bytes.all.current",
@@ -1011,17 +1029,23 @@ def capacity(jobs, settings, steps, cap, out_json, first=None):
                 "step_ms_at_native_batch": at_native.get("step_ms") if at_native and at_native["ok"] else None,
                 "native_batch": native_best, "probes": len(tried),
                 "pressure_moves": best.get("num_pressure_moves") if best else None,
+                "tokens_per_s": best.get("tokens_per_s") if best else None,
             })
     print(f"capacity: largest batch running {steps} steps with {cap / 2**30:.1f} GiB free")
-    print(f"{'job':<8} {'setting':<11} {'largest':>7} {'step ms':>8} {'ratio':>6} "
-          f"{'native batch':>12} {'step ms there':>13} {'vs native':>9}  probes")
+    print(f"{'job':<8} {'setting':<11} {'largest':>7} {'step ms':>8} {'tokens/s':>9} {'vs native':>9} "
+          f"{'ratio':>6} {'native batch':>12} {'step ms there':>13} {'vs native':>9}  probes")
+    print("(tokens/s: at the setting's own largest batch, over the steps after the third; vs native: "
+          "against native's at its own largest)")
     for job in jobs:
         nat = next((t for t in table if t["job"] == job and t["setting"] == "native"), None)
         for t in (t for t in table if t["job"] == job):
             there = t["step_ms_at_native_batch"]
             rel = there / nat["step_ms_at_native_batch"] if there and nat and nat["step_ms_at_native_batch"] else None
+            tps = t["tokens_per_s"]
+            tps_rel = tps / nat["tokens_per_s"] if tps and nat and nat["tokens_per_s"] else None
             fmt = lambda v, f: "-" if v is None else format(v, f)
             print(f"{job:<8} {t['setting']:<11} {t['largest_batch']:7d} {fmt(t['step_ms'], '8.1f')} "
+                  f"{fmt(tps, '9.0f')} {fmt(tps_rel, '9.3f')} "
                   f"{fmt(t['ratio'], '6.3f')} {fmt(t['native_batch'], '12d')} {fmt(there, '13.1f')} "
                   f"{fmt(rel, '9.3f')}  {t['probes']}")
     if out_json:
