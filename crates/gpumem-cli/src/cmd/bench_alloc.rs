@@ -504,3 +504,27 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
 fn bench_gpu(a: &AllocArgs, _: Config) -> Result<(String, Vec<Row>)> {
     Err(format!("device {}: built without the cuda feature", a.target.device).into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_warm_up_ends_at_a_quiet_pass_and_passes_with_a_plan_on_its_way_do_not_count() {
+        let mut w = Warmup::new();
+        // a quiet pass with a plan on its way goes on; a quiet settled one ends it
+        assert!(!w.pass_done(false, true));
+        assert!(w.pass_done(false, false));
+        assert_eq!(w.passes, 2);
+        // driver calls in every pass: 20 counted passes, however many waited for a plan
+        let mut w = Warmup::new();
+        for _ in 0..5 {
+            assert!(!w.pass_done(true, true));
+        }
+        for _ in 0..MAX_WARM_PASSES - 1 {
+            assert!(!w.pass_done(true, false));
+        }
+        assert!(w.pass_done(true, false));
+        assert_eq!(w.passes, 5 + MAX_WARM_PASSES);
+    }
+}
