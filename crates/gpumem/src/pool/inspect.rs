@@ -146,7 +146,8 @@ impl CachingPool {
                             return Err(format!("uncoalesced free neighbours at {:#x}", b.addr));
                         }
                         // (a planned region's free blocks are its plan's, not the free sets':
-                        // `plan_check` below asserts that its plan lists every block there)
+                        // `plan_check` below asserts that its plan's page index matches the
+                        // region's blocks)
                         if !s.planned {
                             free_keys.insert(self.free_key(id));
                         }
