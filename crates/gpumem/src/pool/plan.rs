@@ -358,32 +358,32 @@ impl<'a> Placer<'a> {
             .collect();
         let mut fixed = fixed.to_vec();
         fixed.sort_unstable();
-        let bucket64 = |x: u32| (u64::from(x) * 64 / u64::from(period)).min(63);
-        let masks = lives
+        // the buckets `[lo, hi)` of `n` over the period that positions `[a, b)` fall in
+        let range = |a: u32, b: u32, n: u32| {
+            let bucket = |x: u32| (u64::from(x) * u64::from(n) / u64::from(period)) as u32;
+            if a < b {
+                (bucket(a), bucket(b - 1) + 1)
+            } else {
+                (0, 0)
+            }
+        };
+        let masks = spans
             .iter()
-            .map(|l| {
-                l.spans(period)
+            .map(|s| {
+                [(s[0], s[1]), (s[2], s[3])]
                     .iter()
-                    .filter(|&&(a, b)| a < b)
-                    .fold(0u64, |m, &(a, b)| {
-                        let (lo, hi) = (bucket64(a), bucket64(b - 1));
-                        m | ((u64::MAX >> (63 - hi)) & (u64::MAX << lo))
+                    .map(|&(a, b)| range(a, b, 64))
+                    .filter(|&(lo, hi)| lo < hi)
+                    .fold(0u64, |m, (lo, hi)| {
+                        m | ((u64::MAX >> (64 - hi)) & (u64::MAX << lo))
                     })
             })
             .collect();
         let nb = TIME_BUCKETS.min(period);
-        let bucket = |x: u32| (u64::from(x) * u64::from(nb) / u64::from(period)) as u32;
         let buckets = spans
             .iter()
             .map(|s| {
-                let range = |a: u32, b: u32| {
-                    if a < b {
-                        (bucket(a), bucket(b - 1) + 1)
-                    } else {
-                        (0, 0)
-                    }
-                };
-                let (x, y) = (range(s[0], s[1]), range(s[2], s[3]));
+                let (x, y) = (range(s[0], s[1], nb), range(s[2], s[3], nb));
                 [x.0, x.1, y.0, y.1]
             })
             .collect();
