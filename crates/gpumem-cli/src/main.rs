@@ -105,8 +105,9 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchWhat {
-    /// Allocation latency: gpumem's cached pool vs cuMemAlloc vs a cuMemAllocAsync pool on a
-    /// GPU; gpumem on the host backend vs the system allocator without one.
+    /// Allocation latency: gpumem's cached pool (and the same with classic segments, where its
+    /// configuration has expandable ones) vs cuMemAlloc vs a cuMemAllocAsync pool on a GPU;
+    /// gpumem on the host backend vs the system allocator without one.
     Alloc {
         /// Print `{"device": ..., "rows": [...]}` instead of a table.
         #[arg(long)]

@@ -87,6 +87,7 @@ fn bench_alloc_json_has_the_scenarios() {
         ("gpumem", "same_size", 1),
         ("gpumem", "random_256_live", 1),
         ("gpumem", "random_256_live_8_threads", 8),
+        ("gpumem (classic)", "random_256_live", 1),
         ("system", "same_size", 1),
     ] {
         let row = rows
@@ -96,6 +97,35 @@ fn bench_alloc_json_has_the_scenarios() {
         assert_eq!(row["threads"], threads);
         assert!(row["ns_per_op"].as_f64().unwrap() > 0.0);
     }
+    // a configuration with classic segments already is measured once, under its own name
+    let (ok, json, err) = gpumem(&[
+        "bench",
+        "alloc",
+        "--json",
+        "--host",
+        "--pairs",
+        "2000",
+        "--ops",
+        "2000",
+        "--threads",
+        "2",
+        "--conf",
+        "expandable_segments:False",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let names: Vec<&str> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["allocator"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names.iter().filter(|n| **n == "gpumem").count(),
+        3,
+        "{names:?}"
+    );
+    assert!(!names.contains(&"gpumem (classic)"), "{names:?}");
 }
 
 #[test]

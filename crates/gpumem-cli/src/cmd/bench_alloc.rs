@@ -96,12 +96,26 @@ pub trait Api: Sync {
     }
 }
 
-pub struct Gpumem(pub CachingAllocator);
+/// gpumem's allocator under a name for the table.
+pub struct Gpumem(pub CachingAllocator, pub &'static str);
+
+/// The bench's allocators from gpumem: its configuration, and, where that configuration has
+/// expandable segments, the same with classic segments (PyTorch's native policy: no page
+/// moves, no plans), so that every run compares the two on one machine in one process.
+fn gpumem_settings(config: Config) -> Vec<(Config, &'static str)> {
+    let mut settings = vec![(config.clone(), "gpumem")];
+    if config.pool.expandable_segments {
+        let mut classic = config;
+        classic.pool.expandable_segments = false;
+        settings.push((classic, "gpumem (classic)"));
+    }
+    settings
+}
 
 impl Api for Gpumem {
     type Handle = Allocation;
     fn name(&self) -> String {
-        "gpumem".into()
+        self.1.into()
     }
     fn alloc(&self, bytes: usize) -> Allocation {
         self.0
@@ -396,11 +410,6 @@ pub fn units<A: Api>(api: &A, plan: &Plan) -> u64 {
     (pairs + (warm + ops) * (1 + plan.threads)) as u64
 }
 
-/// gpumem over the host backend with the bench's configuration.
-pub fn host_gpumem(config: Config) -> gpumem::Result<Gpumem> {
-    Ok(Gpumem(Device::host(config)?.allocator().clone()))
-}
-
 #[derive(Serialize)]
 struct BenchOut {
     pub device: String,
@@ -419,10 +428,14 @@ pub fn run(a: AllocArgs) -> Result<()> {
     let (device, rows) = if gpu {
         bench_gpu(&a, config)?
     } else {
-        let g = host_gpumem(config)?;
-        let total = units(&g, &a.plan) + units(&System, &a.plan);
+        let settings = gpumem_settings(config);
+        let total = units(&System, &a.plan) * (1 + settings.len() as u64);
         let pb = progress(total, a.json);
-        let mut rows = run_all(&g, &a.plan, &pb);
+        let mut rows = Vec::new();
+        for (config, name) in settings {
+            let g = Gpumem(Device::host(config)?.allocator().clone(), name);
+            rows.extend(run_all(&g, &a.plan, &pb));
+        }
         rows.extend(run_all(&System, &a.plan, &pb));
         pb.finish_and_clear();
         ("host (no GPU)".to_string(), rows)
@@ -476,11 +489,6 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
     use gpumem::resource::cuda::{CudaAsyncPool, CudaDevice};
     use std::sync::Arc;
     let name = device_name(a.target.device)?;
-    let g = Gpumem(
-        gpumem::Device::cuda(a.target.device, config)?
-            .allocator()
-            .clone(),
-    );
     let raw = Raw {
         resource: Arc::new(CudaDevice::new(a.target.device)?),
         slow: true,
@@ -489,10 +497,21 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
         resource: Arc::new(CudaAsyncPool::new(a.target.device, u64::MAX)?),
         slow: false,
     };
-    let total = units(&g, &a.plan) + units(&raw, &a.plan) + units(&pool, &a.plan);
+    let settings = gpumem_settings(config);
+    // gpumem's units are those of any unthrottled allocator (the async pool's)
+    let total = units(&pool, &a.plan) * (1 + settings.len() as u64) + units(&raw, &a.plan);
     let pb = progress(total, a.json);
-    let mut rows = run_all(&g, &a.plan, &pb);
-    drop(g); // give its cached segments back before the others run
+    let mut rows = Vec::new();
+    for (config, label) in settings {
+        let g = Gpumem(
+            gpumem::Device::cuda(a.target.device, config)?
+                .allocator()
+                .clone(),
+            label,
+        );
+        rows.extend(run_all(&g, &a.plan, &pb));
+        // g drops here: its cached segments go back before the next allocator runs
+    }
     rows.extend(run_all(&pool, &a.plan, &pb));
     drop(pool);
     rows.extend(run_all(&raw, &a.plan, &pb));
