@@ -121,6 +121,10 @@ enum BenchWhat {
         /// Threads of the multi-threaded scenario (1 to 256).
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
         threads: u64,
+        /// Rounds of gpumem's allocators, the configured policy and classic segments taking
+        /// turns, a fresh allocator each; each figure is the median over rounds (1 to 20).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=20))]
+        rounds: u64,
         #[command(flatten)]
         target: Target,
     },
@@ -223,6 +227,7 @@ fn main() -> ExitCode {
                     pairs,
                     ops,
                     threads,
+                    rounds,
                     target,
                 },
         } => cmd::bench_alloc::run(AllocArgs {
@@ -231,6 +236,7 @@ fn main() -> ExitCode {
                 pairs: pairs as usize,
                 ops: ops as usize,
                 threads: threads as usize,
+                rounds: rounds as usize,
             },
             target,
         }),

@@ -78,24 +78,41 @@ fn bench_alloc_json_has_the_scenarios() {
         "2000",
         "--threads",
         "8",
+        "--rounds",
+        "2",
     ]);
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert!(v["device"].is_string());
     let rows = v["rows"].as_array().unwrap();
-    for (alloc, scenario, threads) in [
-        ("gpumem", "same_size", 1),
-        ("gpumem", "random_256_live", 1),
-        ("gpumem", "random_256_live_8_threads", 8),
-        ("gpumem (classic)", "random_256_live", 1),
-        ("system", "same_size", 1),
+    // gpumem's two policies ran two rounds each (one row each, the rounds' figures in it)
+    for (alloc, scenario, threads, rounds) in [
+        ("gpumem", "same_size", 1, 2),
+        ("gpumem", "random_256_live", 1, 2),
+        ("gpumem", "random_256_live_8_threads", 8, 2),
+        ("gpumem (classic)", "random_256_live", 1, 2),
+        ("system", "same_size", 1, 1),
     ] {
-        let row = rows
+        let matching: Vec<_> = rows
             .iter()
-            .find(|r| r["allocator"] == alloc && r["scenario"] == scenario)
-            .unwrap_or_else(|| panic!("no row {alloc}/{scenario} in {json}"));
+            .filter(|r| r["allocator"] == alloc && r["scenario"] == scenario)
+            .collect();
+        assert_eq!(matching.len(), 1, "{alloc}/{scenario} in {json}");
+        let row = matching[0];
         assert_eq!(row["threads"], threads);
-        assert!(row["ns_per_op"].as_f64().unwrap() > 0.0);
+        let per: Vec<f64> = row["rounds"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(per.len(), rounds, "{json}");
+        let median = row["ns_per_op"].as_f64().unwrap();
+        assert!(median > 0.0);
+        let (lo, hi) = per
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
+        assert!(lo <= median && median <= hi, "{json}");
     }
     // a configuration with classic segments already is measured once, under its own name
     let (ok, json, err) = gpumem(&[
@@ -431,6 +448,11 @@ fn bad_inputs_are_refused_clearly_and_quickly() {
         (
             vec!["bench", "alloc", "--host", "--threads=-1"],
             "--threads",
+            None,
+        ),
+        (
+            vec!["bench", "alloc", "--host", "--rounds", "0"],
+            "--rounds",
             None,
         ),
         (

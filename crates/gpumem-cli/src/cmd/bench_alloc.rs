@@ -29,6 +29,43 @@ pub struct Row {
     /// passes over the random workload before the timed part (see [`MAX_WARM_PASSES`]); 0
     /// where there is none
     pub warm_passes: usize,
+    /// gpumem's allocators: `ns_per_op` of each round (a fresh allocator each, the
+    /// configured policy and classic segments taking turns); the row's `ns_per_op` is their
+    /// median, `mean_ns_per_op` their mean's mean, `device_calls` and `warm_passes` their
+    /// most. One entry for the other allocators.
+    pub rounds: Vec<f64>,
+}
+
+/// One row per allocator and scenario from the rows of several rounds (see [`Row::rounds`]).
+fn combine(rounds: Vec<Vec<Row>>) -> Vec<Row> {
+    let mut out: Vec<Row> = Vec::new();
+    let mut means: Vec<Vec<f64>> = Vec::new();
+    for r in rounds.into_iter().flatten() {
+        match out
+            .iter()
+            .position(|o| o.allocator == r.allocator && o.scenario == r.scenario)
+        {
+            Some(i) => {
+                let o = &mut out[i];
+                o.rounds.push(r.ns_per_op);
+                o.device_calls = o.device_calls.max(r.device_calls);
+                o.warm_passes = o.warm_passes.max(r.warm_passes);
+                means[i].push(r.mean_ns_per_op);
+            }
+            None => {
+                means.push(vec![r.mean_ns_per_op]);
+                out.push(Row {
+                    rounds: vec![r.ns_per_op],
+                    ..r
+                });
+            }
+        }
+    }
+    for (o, m) in out.iter_mut().zip(means) {
+        o.ns_per_op = median(o.rounds.clone());
+        o.mean_ns_per_op = mean(&m);
+    }
+    out
 }
 
 /// Ops in one pass over the random workload: the whole period of its sizes.
@@ -202,6 +239,8 @@ pub struct Plan {
     pub pairs: usize,
     pub ops: usize,
     pub threads: usize,
+    /// rounds of gpumem's allocators (see [`Row::rounds`])
+    pub rounds: usize,
 }
 
 pub fn progress(total: u64, quiet: bool) -> ProgressBar {
@@ -245,6 +284,7 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         ns_per_op: median(per),
         device_calls: api.device_calls() - calls,
         warm_passes: 0,
+        rounds: Vec::new(),
     }
 }
 
@@ -318,6 +358,7 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
         ns_per_op: median(per),
         device_calls: calls,
         warm_passes: warm,
+        rounds: Vec::new(),
     }
 }
 
@@ -384,6 +425,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         mean_ns_per_op: per_op,
         device_calls: calls,
         warm_passes: warm,
+        rounds: Vec::new(),
     }
 }
 
@@ -429,14 +471,17 @@ pub fn run(a: AllocArgs) -> Result<()> {
         bench_gpu(&a, config)?
     } else {
         let settings = gpumem_settings(config);
-        let total = units(&System, &a.plan) * (1 + settings.len() as u64);
+        let total = units(&System, &a.plan) * (1 + (a.plan.rounds * settings.len()) as u64);
         let pb = progress(total, a.json);
-        let mut rows = Vec::new();
-        for (config, name) in settings {
-            let g = Gpumem(Device::host(config)?.allocator().clone(), name);
-            rows.extend(run_all(&g, &a.plan, &pb));
+        let mut rounds = Vec::new();
+        for _ in 0..a.plan.rounds {
+            for (config, name) in &settings {
+                let g = Gpumem(Device::host(config.clone())?.allocator().clone(), name);
+                rounds.push(run_all(&g, &a.plan, &pb));
+            }
         }
-        rows.extend(run_all(&System, &a.plan, &pb));
+        rounds.push(run_all(&System, &a.plan, &pb));
+        let rows = combine(rounds);
         pb.finish_and_clear();
         ("host (no GPU)".to_string(), rows)
     };
@@ -448,22 +493,28 @@ fn print(out: &BenchOut) {
     let (device, rows) = (&out.device, &out.rows);
     println!("allocation latency on {device} (one op = one alloc + one free)");
     println!(
-        "{:<18} {:<32} {:>7} {:>14} {:>12} {:>12} {:>6}",
+        "{:<18} {:<32} {:>7} {:>14} {:>12} {:>12} {:>6}  rounds",
         "allocator", "scenario", "threads", "median ns/op", "mean ns/op", "timed calls", "warm"
     );
     for r in rows {
+        let rounds: Vec<String> = r.rounds.iter().map(|x| format!("{x:.1}")).collect();
         println!(
-            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1} {:>12} {:>6}",
+            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1} {:>12} {:>6}  {}",
             r.allocator,
             r.scenario,
             r.threads,
             r.ns_per_op,
             r.mean_ns_per_op,
             r.device_calls,
-            r.warm_passes
+            r.warm_passes,
+            if rounds.len() > 1 {
+                rounds.join(" / ")
+            } else {
+                String::new()
+            }
         );
     }
-    println!("(timed calls: gpumem's driver calls while timed; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
+    println!("(median ns/op: gpumem's is the median over its rounds, a fresh allocator each, the two policies taking turns; timed calls: gpumem's driver calls while timed, the most of a round; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -499,22 +550,26 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
     };
     let settings = gpumem_settings(config);
     // gpumem's units are those of any unthrottled allocator (the async pool's)
-    let total = units(&pool, &a.plan) * (1 + settings.len() as u64) + units(&raw, &a.plan);
+    let total = units(&pool, &a.plan) * (1 + (a.plan.rounds * settings.len()) as u64)
+        + units(&raw, &a.plan);
     let pb = progress(total, a.json);
-    let mut rows = Vec::new();
-    for (config, label) in settings {
-        let g = Gpumem(
-            gpumem::Device::cuda(a.target.device, config)?
-                .allocator()
-                .clone(),
-            label,
-        );
-        rows.extend(run_all(&g, &a.plan, &pb));
-        // g drops here: its cached segments go back before the next allocator runs
+    let mut rounds = Vec::new();
+    for _ in 0..a.plan.rounds {
+        for (config, label) in &settings {
+            let g = Gpumem(
+                gpumem::Device::cuda(a.target.device, config.clone())?
+                    .allocator()
+                    .clone(),
+                label,
+            );
+            rounds.push(run_all(&g, &a.plan, &pb));
+            // g drops here: its cached segments go back before the next allocator runs
+        }
     }
-    rows.extend(run_all(&pool, &a.plan, &pb));
+    rounds.push(run_all(&pool, &a.plan, &pb));
     drop(pool);
-    rows.extend(run_all(&raw, &a.plan, &pb));
+    rounds.push(run_all(&raw, &a.plan, &pb));
+    let rows = combine(rounds);
     pb.finish_and_clear();
     Ok((name, rows))
 }
@@ -527,6 +582,44 @@ fn bench_gpu(a: &AllocArgs, _: Config) -> Result<(String, Vec<Row>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(alloc: &str, ns: f64, mean: f64, calls: u64, warm: usize) -> Row {
+        Row {
+            allocator: alloc.into(),
+            scenario: "random_256_live".into(),
+            threads: 1,
+            ns_per_op: ns,
+            mean_ns_per_op: mean,
+            device_calls: calls,
+            warm_passes: warm,
+            rounds: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn rounds_combine_into_one_row_per_allocator_with_the_median() {
+        let rows = combine(vec![
+            vec![row("gpumem", 300.0, 310.0, 0, 8)],
+            vec![row("classic", 220.0, 230.0, 0, 3)],
+            vec![row("gpumem", 200.0, 210.0, 2, 9)],
+            vec![row("classic", 340.0, 350.0, 1, 3)],
+            vec![row("gpumem", 250.0, 260.0, 0, 7)],
+            vec![row("classic", 230.0, 240.0, 0, 4)],
+            vec![row("system", 900.0, 950.0, 0, 1)],
+        ]);
+        assert_eq!(rows.len(), 3);
+        let g = &rows[0];
+        assert_eq!((g.allocator.as_str(), g.ns_per_op), ("gpumem", 250.0));
+        assert_eq!(g.rounds, vec![300.0, 200.0, 250.0]);
+        assert_eq!(
+            (g.mean_ns_per_op, g.device_calls, g.warm_passes),
+            (260.0, 2, 9)
+        );
+        let c = &rows[1];
+        assert_eq!((c.ns_per_op, c.device_calls, c.warm_passes), (230.0, 1, 4));
+        assert_eq!(rows[2].rounds, vec![900.0]);
+        assert_eq!(rows[2].ns_per_op, 900.0);
+    }
 
     #[test]
     fn the_warm_up_ends_at_a_quiet_pass_and_passes_with_a_plan_on_its_way_do_not_count() {
