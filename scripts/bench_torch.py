@@ -50,9 +50,10 @@ Workloads (seeded; bf16 autocast where training):
           resolutions) predicting noise on batch 32 of 4 x 64 x 64 latents, bf16, AdamW
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps twice over (the
-second pass is the first's steps again) with --cap-gb of the device free (the rest taken with cuMemAlloc outside every allocator before the job), each
-try a fresh process, on gptfix (batch x 1024 tokens), varlen (the gpt job at batch B with a
-length drawn per step, the same lengths at every batch) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
+second pass is the first's steps again) with --cap-gb of the device free (the rest taken with
+cuMemAlloc outside every allocator before the job), each try a fresh process, on gptfix
+(batch x 1024 tokens), varlen (the gpt job at batch B with a length drawn per step, the same
+lengths at every batch) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
 decoder, rank-16 adapters on q and v, every block checkpointed, batch x 1024 tokens). Each
 setting's throughput at its own largest batch (tokens a second over the second pass, where
 no shape is new) is given against native's at its own largest.
