@@ -67,22 +67,18 @@ fn bench_ring_compares_polled_and_copies() {
 
 #[test]
 fn bench_alloc_json_has_the_scenarios() {
-    let (ok, json, err) = gpumem(&[
-        "bench",
-        "alloc",
-        "--json",
-        "--host",
-        "--pairs",
-        "2000",
-        "--ops",
-        "2000",
-        "--threads",
-        "8",
-        "--rounds",
-        "2",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    // a short `bench alloc --json --host` with `extra` arguments: its output, parsed
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench", "alloc", "--json", "--host", "--pairs", "2000", "--ops", "2000",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, json, err) = gpumem(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        (v, json)
+    };
+    let (v, json) = bench(&["--threads", "8", "--rounds", "2"]);
     assert!(v["device"].is_string());
     let rows = v["rows"].as_array().unwrap();
     // gpumem's two policies ran two rounds each (one row each, the rounds' figures in it)
@@ -115,22 +111,7 @@ fn bench_alloc_json_has_the_scenarios() {
         assert!(lo <= median && median <= hi, "{json}");
     }
     // a configuration with classic segments already is measured once, under its own name
-    let (ok, json, err) = gpumem(&[
-        "bench",
-        "alloc",
-        "--json",
-        "--host",
-        "--pairs",
-        "2000",
-        "--ops",
-        "2000",
-        "--threads",
-        "2",
-        "--conf",
-        "expandable_segments:False",
-    ]);
-    assert!(ok, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let (v, _) = bench(&["--threads", "2", "--conf", "expandable_segments:False"]);
     let names: Vec<&str> = v["rows"]
         .as_array()
         .unwrap()

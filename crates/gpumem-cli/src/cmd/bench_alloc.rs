@@ -149,6 +149,25 @@ fn gpumem_settings(config: Config) -> Vec<(Config, &'static str)> {
     settings
 }
 
+/// Every scenario for gpumem's `settings`, taking turns for `plan.rounds` rounds, each run on
+/// a fresh device from `open` (dropped before the next runs, so that its cached memory goes
+/// back first): one list of rows a run, for [`combine`].
+fn gpumem_rounds(
+    settings: &[(Config, &'static str)],
+    plan: &Plan,
+    pb: &ProgressBar,
+    open: impl Fn(Config) -> gpumem::Result<Device>,
+) -> gpumem::Result<Vec<Vec<Row>>> {
+    let mut rounds = Vec::new();
+    for _ in 0..plan.rounds {
+        for (config, name) in settings {
+            let g = Gpumem(open(config.clone())?.allocator().clone(), name);
+            rounds.push(run_all(&g, plan, pb));
+        }
+    }
+    Ok(rounds)
+}
+
 impl Api for Gpumem {
     type Handle = Allocation;
     fn name(&self) -> String {
@@ -473,13 +492,7 @@ pub fn run(a: AllocArgs) -> Result<()> {
         let settings = gpumem_settings(config);
         let total = units(&System, &a.plan) * (1 + (a.plan.rounds * settings.len()) as u64);
         let pb = progress(total, a.json);
-        let mut rounds = Vec::new();
-        for _ in 0..a.plan.rounds {
-            for (config, name) in &settings {
-                let g = Gpumem(Device::host(config.clone())?.allocator().clone(), name);
-                rounds.push(run_all(&g, &a.plan, &pb));
-            }
-        }
+        let mut rounds = gpumem_rounds(&settings, &a.plan, &pb, Device::host)?;
         rounds.push(run_all(&System, &a.plan, &pb));
         let rows = combine(rounds);
         pb.finish_and_clear();
@@ -553,19 +566,9 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
     let total = units(&pool, &a.plan) * (1 + (a.plan.rounds * settings.len()) as u64)
         + units(&raw, &a.plan);
     let pb = progress(total, a.json);
-    let mut rounds = Vec::new();
-    for _ in 0..a.plan.rounds {
-        for (config, label) in &settings {
-            let g = Gpumem(
-                gpumem::Device::cuda(a.target.device, config.clone())?
-                    .allocator()
-                    .clone(),
-                label,
-            );
-            rounds.push(run_all(&g, &a.plan, &pb));
-            // g drops here: its cached segments go back before the next allocator runs
-        }
-    }
+    let mut rounds = gpumem_rounds(&settings, &a.plan, &pb, |c| {
+        gpumem::Device::cuda(a.target.device, c)
+    })?;
     rounds.push(run_all(&pool, &a.plan, &pb));
     drop(pool);
     rounds.push(run_all(&raw, &a.plan, &pb));
