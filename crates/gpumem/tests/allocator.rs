@@ -463,6 +463,63 @@ fn memory_pressure_moves_pages_whatever_the_time_budget() {
     a.deallocate(w).unwrap();
 }
 
+/// The device's headroom is memory pressure too: where growing would leave the device less
+/// than its headroom free (no memory budget set), free pages move instead, whatever the time
+/// budget; and where nothing is free to move, the pool still grows into the headroom rather
+/// than fail.
+#[test]
+fn growth_into_the_devices_headroom_moves_pages_and_never_fails() {
+    // the same job on a device with room to spare, and on one where y's free pages must move
+    // for the device to keep its headroom (256 MiB: a 64th of 80 GB is more); a memory budget
+    // 100 MiB above the job's growth is the budget's own check, not the device's headroom
+    for (capacity, conf, moves) in [
+        (1u64 << 40, "", false),
+        (1u64 << 40, "memory_limit_mb:80100", false),
+        (80_100 * MIB, "", true),
+    ] {
+        let (a, dev) = Device::simulated(capacity, Config::parse(conf).unwrap()).unwrap();
+        let x = a.allocate(S, (20000 * MIB) as usize, 256).unwrap();
+        let y = a.allocate(S, (15000 * MIB) as usize, 256).unwrap();
+        a.deallocate(x).unwrap();
+        // z takes x's pages; its move overdraws the time budget and moves stop
+        let z = a.allocate(S, (25000 * MIB) as usize, 256).unwrap();
+        assert_eq!(a.stats().num_move_stops, 1);
+        a.deallocate(y).unwrap();
+        // growing by 40000 MiB would leave 100 MiB of the smaller device free
+        let w = a.allocate(S, (40000 * MIB) as usize, 256).unwrap();
+        let s = a.stats();
+        assert_eq!(s.num_ooms, 0);
+        assert_eq!(
+            s.num_pressure_moves >= 1,
+            moves,
+            "capacity {capacity}: {s:?}"
+        );
+        if moves {
+            assert!(
+                dev.mem_info_free() >= 256 * MIB,
+                "{} free",
+                dev.mem_info_free()
+            );
+            assert!(
+                s.reserved_bytes.all.current <= 65000 * MIB + 256 * MIB,
+                "{s:?}"
+            );
+        } else {
+            assert!(s.reserved_bytes.all.current >= 80000 * MIB, "{s:?}");
+        }
+        // nothing free to move: the pool grows into the headroom and does not fail
+        if moves {
+            let free = dev.mem_info_free();
+            let v = a.allocate(S, (free - 8 * MIB) as usize, 256).unwrap();
+            assert_eq!(a.stats().num_ooms, 0);
+            assert!(dev.mem_info_free() < 256 * MIB);
+            a.deallocate(v).unwrap();
+        }
+        a.deallocate(z).unwrap();
+        a.deallocate(w).unwrap();
+    }
+}
+
 /// PyTorch's `_set_allocator_settings` at run time: the string's rounding applies to later
 /// requests, a later string without it puts the default back, and a bad string is an error
 /// that changes nothing.

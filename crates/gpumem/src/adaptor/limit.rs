@@ -23,11 +23,6 @@ struct Counts {
 }
 
 impl Limit {
-    /// The device's own free and total memory (every process counted), not the budget's view.
-    pub fn device_mem_info(&self) -> Result<MemInfo> {
-        self.inner.mem_info()
-    }
-
     /// Budget `limit` bytes over `inner`.
     pub fn new(inner: Arc<dyn Backend>, limit: u64) -> Self {
         Self {
@@ -104,6 +99,10 @@ impl Resource for Limit {
             ),
             total: m.total,
         })
+    }
+
+    fn device_mem_info(&self) -> Result<MemInfo> {
+        self.inner.device_mem_info()
     }
 
     fn limit(&self) -> Option<u64> {

@@ -97,6 +97,10 @@ impl Resource for Tracking {
         self.inner.mem_info()
     }
 
+    fn device_mem_info(&self) -> Result<MemInfo> {
+        self.inner.device_mem_info()
+    }
+
     fn limit(&self) -> Option<u64> {
         self.inner.limit()
     }

@@ -672,6 +672,9 @@ impl Resource for CachingAllocator {
     fn mem_info(&self) -> Result<MemInfo> {
         self.inner.backend.mem_info()
     }
+    fn device_mem_info(&self) -> Result<MemInfo> {
+        self.inner.backend.device_mem_info()
+    }
     fn limit(&self) -> Option<u64> {
         self.inner.backend.limit()
     }

@@ -86,10 +86,7 @@ impl CachingAllocator {
         {
             return false;
         }
-        let info = match &self.inner.limit {
-            Some(l) => l.device_mem_info(),
-            None => self.inner.backend.mem_info(),
-        };
+        let info = self.inner.backend.device_mem_info();
         let Ok(info) = info else {
             return false;
         };

@@ -16,6 +16,15 @@ const MIN_ORDERED_RUN: u64 = 4;
 /// to 1.297 (mean over the families 1.022 -> 1.023).
 const SLACK: f64 = 0.002;
 
+/// Device memory that growth leaves free before it counts as memory pressure: the driver and
+/// the libraries take memory outside any allocator (a kernel's module loaded lazily, a
+/// kernel's local memory, cuDNN's and cuBLAS's own), and a pool that maps the device's last
+/// pages makes those fail (H100, LoRA under a 16 GiB cap: `CUDNN_STATUS_INTERNAL_ERROR` with
+/// 19-31 MB left, where native PyTorch's last batch left 118 MiB). A 64th of the device, at
+/// most 256 MiB. Growth into it moves free pages first, whatever the time budget; when they
+/// do not suffice the pool still grows: the headroom never fails an allocation by itself.
+const HEADROOM_MAX: u64 = 256 << 20;
+
 /// `x / page` for the pool's page size, a power of two (`CachingPool::new` takes no other):
 /// a shift, not a division, on the hot path.
 #[inline]
@@ -296,7 +305,7 @@ impl CachingPool {
     /// (see `budget.rs`), where moves are on; otherwise the pool grows, as PyTorch's
     /// expandable segments do. Counts the move.
     pub(super) fn moves_now(&mut self, over: u64, need: u64, now: u64, peak: u64) -> (bool, bool) {
-        let pressure = over > 0 && self.over_limit(need);
+        let pressure = over > 0 && (self.over_limit(need) || self.device_short(need));
         let budgeted =
             over > 0 && !pressure && self.policy.moves && self.budget.may_move(now, peak);
         if pressure || budgeted {
@@ -334,6 +343,30 @@ impl CachingPool {
         self.backend
             .limit()
             .is_some_and(|l| self.shared.reserved.load(Ordering::Relaxed) + need > l)
+    }
+
+    /// Whether mapping `need` more bytes would leave the device less free memory than its
+    /// headroom ([`HEADROOM_MAX`]), the physical handles the page engine keeps spare counted as
+    /// free. One look at the device's free memory (a driver call), made only where a map would
+    /// pass the allowance. Device memory only (CUDA, the simulator).
+    fn device_short(&self, need: u64) -> bool {
+        use crate::resource::Location;
+        if !matches!(
+            self.backend.location(),
+            Location::Cuda(_) | Location::Simulated
+        ) {
+            return false;
+        }
+        // (the device's memory: the memory budget has its own check, `over_limit`)
+        let Ok(info) = self.backend.device_mem_info() else {
+            return false;
+        };
+        let spare = self
+            .backend
+            .virtual_memory()
+            .map_or(0, |v| v.calls().spare_bytes);
+        let headroom = (info.total / 64).min(HEADROOM_MAX);
+        info.free.saturating_add(spare) < need.saturating_add(headroom)
     }
 
     /// Record that pages `[first, first + n)` of `seg` were mapped (`on`) or unmapped.

@@ -123,6 +123,11 @@ pub trait Resource: Send + Sync + std::fmt::Debug {
     fn deallocate(&self, ptr: DevPtr, bytes: usize, stream: Stream) -> Result<()>;
     /// Free and total memory where this resource allocates.
     fn mem_info(&self) -> Result<MemInfo>;
+    /// The device's own free and total memory (every process counted), where a budget
+    /// adaptor's [`Resource::mem_info`] gives the budget's view.
+    fn device_mem_info(&self) -> Result<MemInfo> {
+        self.mem_info()
+    }
     /// A byte budget enforced by this resource (a budget adaptor wraps a resource with one),
     /// if any.
     fn limit(&self) -> Option<u64> {
