@@ -911,6 +911,8 @@ def probe(job, setting, batch, steps, cap):
     taken = ballast(torch, cap)
     out = {"job": job, "setting": setting, "batch": batch, "ballast": taken}
     times, tokens = [], []
+    stats_of = (gpumem_torch if setting.startswith("gpumem") else torch.cuda).memory_stats
+    first_pass = {}
     try:
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -918,6 +920,8 @@ def probe(job, setting, batch, steps, cap):
             torch.cuda.synchronize()
             now = time.perf_counter()
             times.append((now - t) * 1e3)
+            if len(times) == steps:
+                first_pass = stats_of()
             t = now
         out["ok"] = True
     except torch.OutOfMemoryError as e:
@@ -935,7 +939,13 @@ def probe(job, setting, batch, steps, cap):
         # every setting alike), which a job of many steps pays once.
         out["step_ms"] = statistics.median(times[steps:])
         out["tokens_per_s"] = sum(tokens[steps : len(times)]) / (sum(times[steps:]) / 1e3)
-    stats = (gpumem_torch if setting.startswith("gpumem") else torch.cuda).memory_stats()
+        out["times_ms"] = [round(x, 2) for x in times]
+    stats = stats_of()
+    # what the measured pass alone cost the allocator (gpumem's page work and moves)
+    for k in ("page_map_ns", "num_page_moves", "num_pressure_moves", "num_alloc_retries",
+              "num_device_alloc", "num_device_free"):
+        if k in stats and k in first_pass:
+            out[k + "_second_pass"] = stats[k] - first_pass[k]
     for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_pressure_moves",
               "num_move_stops", "page_map_ns", "num_ooms", "reserved_bytes.all.current",
               "allocated_bytes.all.current", "vmm_spare_bytes", "plan_reserved_bytes"):
@@ -974,7 +984,7 @@ def capacity(jobs, settings, steps, cap, out_json, first=None):
     out-of-memory error with `cap` bytes of the device free, each try a fresh process. Native
     is searched first (up by a quarter until it fails, then by bisection); every other setting
     starts at native's largest batch (or `first`, where native is not run) and searches up or
-    down from there by one."""
+    down from there by steps of 1, 2, 4, ... until one fails, then by bisection."""
     here = os.path.dirname(os.path.abspath(__file__))
     results = []
     table = []
@@ -1008,7 +1018,7 @@ def capacity(jobs, settings, steps, cap, out_json, first=None):
                     b = lo + step
                     if ok(b):
                         lo = b
-                        step = step if known else max(1, b // 4)
+                        step = 2 * step if known else max(1, b // 4)
                     else:
                         hi = b
             else:
@@ -1020,7 +1030,7 @@ def capacity(jobs, settings, steps, cap, out_json, first=None):
                         lo = b
                     else:
                         hi = b
-                        step = step if known else max(1, b // 4)
+                        step = 2 * step if known else max(1, b // 4)
             while hi is not None and hi - lo > 1:
                 mid = (lo + hi) // 2
                 if ok(mid):
