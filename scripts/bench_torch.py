@@ -49,13 +49,13 @@ Workloads (seeded; bf16 autocast where training):
   unet    a diffusion UNet (channels 128/256/512/512, attention at the two lowest
           resolutions) predicting noise on batch 32 of 4 x 64 x 64 latents, bf16, AdamW
 
-Capacity (--capacity): the largest batch each setting runs for --steps steps twice over (the
-second pass is the first's steps again) with --cap-gb of the device free (the rest taken with
+Capacity (--capacity): the largest batch each setting runs for --steps steps four times over
+(each pass after the first repeats its steps) with --cap-gb of the device free (the rest taken with
 cuMemAlloc outside every allocator before the job), each try a fresh process, on gptfix
 (batch x 1024 tokens), varlen (the gpt job at batch B with a length drawn per step, the same
 lengths at every batch) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
 decoder, rank-16 adapters on q and v, every block checkpointed, batch x 1024 tokens). Each
-setting's throughput at its own largest batch (tokens a second over the second pass, where
+setting's throughput at its own largest batch (tokens a second over the three passes after the first, where
 no shape is new) is given against native's at its own largest.
 """
 import argparse
@@ -866,16 +866,22 @@ def counted(steps, tokens, per_step):
         yield step
 
 
+# Passes over a capacity job's steps: the first, then the measured ones, which repeat it (a
+# single measured pass of 10 steps moved a setting's tokens a second by 5-10% with one slow
+# step: gptfix at batch 14, native 236,209 then 200,464 with a step of 126.9 ms among ~64,
+# H100, 2026-11-27)
+PASSES = 4
+
 # capacity jobs: name -> (make the step generator for a batch: `steps` steps, then the same
-# steps again (the measured pass), appending each step's tokens to a list; first batch tried)
+# steps again in the measured passes, appending each step's tokens to a list; first batch tried)
 CAPACITY_JOBS = {
     # the fixed-shape GPT of gpt_train (gptfix) at batch B x 1024 tokens
-    "gptfix": (lambda torch, steps, b, t: counted(run_gptfix(torch, 2 * steps, B=b), t, b * 1024), 16),
+    "gptfix": (lambda torch, steps, b, t: counted(run_gptfix(torch, PASSES * steps, B=b), t, b * 1024), 16),
     # nn.TransformerEncoder GPT, sequence length drawn per step (128..1024, the same lengths at
-    # every batch), batch B; the second pass has the first's lengths in the same order
-    "varlen": (lambda torch, steps, b, t: run_gpt(torch, 2 * steps, True, batch=b, tokens=t, cycle=steps), 16),
+    # every batch), batch B; every pass has the first's lengths in the same order
+    "varlen": (lambda torch, steps, b, t: run_gpt(torch, PASSES * steps, True, batch=b, tokens=t, cycle=steps), 16),
     # LoRA fine-tuning of a frozen 0.6B-parameter decoder with gradient checkpointing, B x 1024
-    "lora": (lambda torch, steps, b, t: counted(run_lora(torch, 2 * steps, B=b), t, b * 1024), 16),
+    "lora": (lambda torch, steps, b, t: counted(run_lora(torch, PASSES * steps, B=b), t, b * 1024), 16),
 }
 
 
@@ -933,19 +939,19 @@ def probe(job, setting, batch, steps, cap):
     out["device_free_at_end"] = free
     out["steps"] = len(times)
     if len(times) > steps:
-        # the measured pass (the second): its median step, and its tokens a second. The first
-        # pass pays what a shape costs the first time it is seen (on varlen, a step at a new
+        # the measured passes (after the first): their median step, and tokens a second. The
+        # first pass pays what a shape costs the first time it is seen (on varlen, a step at a new
         # length took 160-330 ms and the same step at a length seen before 64-94 ms, H100,
         # every setting alike), which a job of many steps pays once.
         out["step_ms"] = statistics.median(times[steps:])
         out["tokens_per_s"] = sum(tokens[steps : len(times)]) / (sum(times[steps:]) / 1e3)
         out["times_ms"] = [round(x, 2) for x in times]
     stats = stats_of()
-    # what the measured pass alone cost the allocator (gpumem's page work and moves)
+    # what the measured passes alone cost the allocator (gpumem's page work and moves)
     for k in ("page_map_ns", "num_page_moves", "num_pressure_moves", "num_alloc_retries",
               "num_device_alloc", "num_device_free"):
         if k in stats and k in first_pass:
-            out[k + "_second_pass"] = stats[k] - first_pass[k]
+            out[k + "_measured"] = stats[k] - first_pass[k]
     for k in ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_pressure_moves",
               "num_move_stops", "page_map_ns", "num_ooms", "reserved_bytes.all.current",
               "allocated_bytes.all.current", "vmm_spare_bytes", "plan_reserved_bytes"):
@@ -980,7 +986,7 @@ def run_probe(job, setting, batch, steps, cap, here):
 
 
 def capacity(jobs, settings, steps, cap, out_json, first=None):
-    """For each job and setting, the largest batch that runs `steps` steps twice without an
+    """For each job and setting, the largest batch that runs `steps` steps `PASSES` times without an
     out-of-memory error with `cap` bytes of the device free, each try a fresh process. Native
     is searched first (up by a quarter until it fails, then by bisection); every other setting
     starts at native's largest batch (or `first`, where native is not run) and searches up or
@@ -1051,10 +1057,10 @@ def capacity(jobs, settings, steps, cap, out_json, first=None):
                 "pressure_moves": best.get("num_pressure_moves") if best else None,
                 "tokens_per_s": best.get("tokens_per_s") if best else None,
             })
-    print(f"capacity: largest batch running {steps} steps twice over with {cap / 2**30:.1f} GiB free")
+    print(f"capacity: largest batch running {steps} steps {PASSES} times over with {cap / 2**30:.1f} GiB free")
     print(f"{'job':<8} {'setting':<11} {'largest':>7} {'step ms':>8} {'tokens/s':>9} {'vs native':>9} "
           f"{'ratio':>6} {'native batch':>12} {'step ms there':>13} {'vs native':>9}  probes")
-    print("(tokens/s: at the setting's own largest batch, over the second pass; vs native: "
+    print("(tokens/s: at the setting's own largest batch, over the passes after the first; vs native: "
           "against native's at its own largest)")
     for job in jobs:
         nat = next((t for t in table if t["job"] == job and t["setting"] == "native"), None)

@@ -293,9 +293,10 @@ fn long_runs_of_changing_shapes_cost_no_more_with_plans() {
     }
 }
 
-/// Measured on this code (worst of the 60 runs above, rounded up; at or below the dynamic layout's
-/// ratio on all 60).
-const BOUND_PLANNED: f64 = 1.153;
+/// Measured on this code (worst of the 60 runs above, 1.0503 on 2026-11-27, rounded up; at or
+/// below the dynamic layout's ratio alone in 45 of the 60). It was 1.153 when plans were
+/// opt-in; the target is 1.01, which peaks set in steps 1 and 2, before any plan, miss.
+const BOUND_PLANNED: f64 = 1.051;
 
 /// A job whose period is long but whose blocks live briefly: `gpumem bench alloc`'s
 /// `random_256_live` workload (256 live blocks of 256 B – 64 MiB, one freed and one allocated
