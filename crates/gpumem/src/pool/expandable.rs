@@ -25,6 +25,12 @@ const SLACK: f64 = 0.002;
 /// do not suffice the pool still grows: the headroom never fails an allocation by itself.
 const HEADROOM_MAX: u64 = 256 << 20;
 
+/// How long a look at the device's free memory for its headroom stands (the backend's clock,
+/// ns) where it showed room for twice the map and the headroom past the pool's growth since:
+/// a look is a driver call (cuMemGetInfo, 6.7-7.8 µs on the H100's host). Other processes'
+/// growth is the pressure watch's (`pressure_interval_ms`, 100 ms by default).
+const LOOK_STANDS_NS: u64 = 100_000_000;
+
 /// `x / page` for the pool's page size, a power of two (`CachingPool::new` takes no other):
 /// a shift, not a division, on the hot path.
 #[inline]
@@ -305,9 +311,10 @@ impl CachingPool {
     /// (see `budget.rs`), where moves are on; otherwise the pool grows, as PyTorch's
     /// expandable segments do. Counts the move.
     pub(super) fn moves_now(&mut self, over: u64, need: u64, now: u64, peak: u64) -> (bool, bool) {
-        let pressure = over > 0 && (self.over_limit(need) || self.device_short(need));
-        let budgeted =
-            over > 0 && !pressure && self.policy.moves && self.budget.may_move(now, peak);
+        let limit = over > 0 && self.over_limit(need);
+        let budgeted = over > 0 && !limit && self.policy.moves && self.budget.may_move(now, peak);
+        // (the device is looked at only where the pool would otherwise grow)
+        let pressure = limit || (over > 0 && !budgeted && self.device_short(need, now));
         if pressure || budgeted {
             self.stats.num_page_moves += 1;
             self.stats.num_pressure_moves += u64::from(pressure);
@@ -347,9 +354,10 @@ impl CachingPool {
 
     /// Whether mapping `need` more bytes would leave the device less free memory than its
     /// headroom ([`HEADROOM_MAX`]), the physical handles the page engine keeps spare counted as
-    /// free. One look at the device's free memory (a driver call), made only where a map would
-    /// pass the allowance. Device memory only (CUDA, the simulator).
-    fn device_short(&self, need: u64) -> bool {
+    /// free. A look at the device's free memory (a driver call) at `now` (the backend's
+    /// clock), unless the last one stands ([`LOOK_STANDS_NS`]). Device memory only (CUDA, the
+    /// simulator).
+    fn device_short(&mut self, need: u64, now: u64) -> bool {
         use crate::resource::Location;
         if !matches!(
             self.backend.location(),
@@ -358,6 +366,16 @@ impl CachingPool {
             return false;
         }
         // (the device's memory: the memory budget has its own check, `over_limit`)
+        let reserved = self.shared.reserved.load(Ordering::Relaxed);
+        let (free, then, at) = self.device_look;
+        if at != 0 && now.saturating_sub(at) < LOOK_STANDS_NS {
+            // room at the last look for twice this map and the headroom, past what the pool
+            // has mapped since
+            let left = free.saturating_sub(reserved.saturating_sub(then));
+            if left / 2 >= need.saturating_add(HEADROOM_MAX) {
+                return false;
+            }
+        }
         let Ok(info) = self.backend.device_mem_info() else {
             return false;
         };
@@ -366,7 +384,9 @@ impl CachingPool {
             .virtual_memory()
             .map_or(0, |v| v.calls().spare_bytes);
         let headroom = (info.total / 64).min(HEADROOM_MAX);
-        info.free.saturating_add(spare) < need.saturating_add(headroom)
+        let free = info.free.saturating_add(spare);
+        self.device_look = (free, reserved, now.max(1));
+        free < need.saturating_add(headroom)
     }
 
     /// Record that pages `[first, first + n)` of `seg` were mapped (`on`) or unmapped.

@@ -366,6 +366,9 @@ pub struct CachingPool {
     /// highest reserved bytes of this pool since its cache was last released (expandable
     /// segments: below it, pages are mapped rather than moved)
     high_water: u64,
+    /// the device's last look for its headroom (expandable segments): free bytes (spare
+    /// handles counted), every shard's reserved bytes then, and when (the backend's clock)
+    device_look: (u64, u64, u64),
     /// blocks of another stream's expandable segment handed out, with the stream using them
     lent: FxHashMap<u32, Stream>,
     /// free blocks with parts last used by other streams than their own (lent blocks given
@@ -445,6 +448,7 @@ impl CachingPool {
             budget: Default::default(),
             plans: plan::Plans::new(page.is_some() && config.pool.planned_layout),
             high_water: 0,
+            device_look: (0, 0, 0),
             lent: FxHashMap::default(),
             foreign: FxHashMap::default(),
             cross_waited: Vec::new(),
