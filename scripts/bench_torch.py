@@ -50,13 +50,13 @@ Workloads (seeded; bf16 autocast where training):
           resolutions) predicting noise on batch 32 of 4 x 64 x 64 latents, bf16, AdamW
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps four times over
-(each pass after the first repeats its steps) with --cap-gb of the device free (the rest taken with
-cuMemAlloc outside every allocator before the job), each try a fresh process, on gptfix
+(each pass after the first repeats its steps) with --cap-gb of the device free (the rest taken
+with cuMemAlloc outside every allocator before the job), each try a fresh process, on gptfix
 (batch x 1024 tokens), varlen (the gpt job at batch B with a length drawn per step, the same
 lengths at every batch) and lora (LoRA fine-tuning of a frozen 0.6B-parameter Llama-style
 decoder, rank-16 adapters on q and v, every block checkpointed, batch x 1024 tokens). Each
-setting's throughput at its own largest batch (tokens a second over the three passes after the first, where
-no shape is new) is given against native's at its own largest.
+setting's throughput at its own largest batch (tokens a second over the three passes after
+the first, where no shape is new) is given against native's at its own largest.
 """
 import argparse
 import json
@@ -940,8 +940,8 @@ def probe(job, setting, batch, steps, cap):
     out["steps"] = len(times)
     if len(times) > steps:
         # the measured passes (after the first): their median step, and tokens a second. The
-        # first pass pays what a shape costs the first time it is seen (on varlen, a step at a new
-        # length took 160-330 ms and the same step at a length seen before 64-94 ms, H100,
+        # first pass pays what a shape costs the first time it is seen (on varlen, a step at a
+        # new length took 160-330 ms and the same step at a length seen before 64-94 ms, H100,
         # every setting alike), which a job of many steps pays once.
         out["step_ms"] = statistics.median(times[steps:])
         out["tokens_per_s"] = sum(tokens[steps : len(times)]) / (sum(times[steps:]) / 1e3)
@@ -986,8 +986,8 @@ def run_probe(job, setting, batch, steps, cap, here):
 
 
 def capacity(jobs, settings, steps, cap, out_json, first=None):
-    """For each job and setting, the largest batch that runs `steps` steps `PASSES` times without an
-    out-of-memory error with `cap` bytes of the device free, each try a fresh process. Native
+    """For each job and setting, the largest batch that runs `steps` steps `PASSES` times
+    without an out-of-memory error with `cap` bytes of the device free, each try a fresh process. Native
     is searched first (up by a quarter until it fails, then by bisection); every other setting
     starts at native's largest batch (or `first`, where native is not run) and searches up or
     down from there by steps of 1, 2, 4, ... until one fails, then by bisection."""

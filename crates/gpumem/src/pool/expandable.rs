@@ -308,8 +308,9 @@ impl CachingPool {
     /// Whether a map of `need` bytes, `over` of them past what may be mapped without moving
     /// pages, moves free pages first: `(pressure, budgeted)`. Where growing would pass the
     /// memory budget, whatever the time costs; else within the time budget of page moves
-    /// (see `budget.rs`), where moves are on; otherwise the pool grows, as PyTorch's
-    /// expandable segments do. Counts the move.
+    /// (see `budget.rs`), where moves are on; else where growing would pass the device's
+    /// headroom ([`HEADROOM_MAX`]), whatever the time costs; otherwise the pool grows, as
+    /// PyTorch's expandable segments do. Counts the move.
     pub(super) fn moves_now(&mut self, over: u64, need: u64, now: u64, peak: u64) -> (bool, bool) {
         let limit = over > 0 && self.over_limit(need);
         let budgeted = over > 0 && !limit && self.policy.moves && self.budget.may_move(now, peak);
