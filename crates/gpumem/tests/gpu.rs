@@ -372,6 +372,68 @@ fn expandable_segments_grow_in_place_keep_data_and_shrink() {
     );
 }
 
+/// The device's headroom: with 1,500 MiB of the device left free (the rest taken outside
+/// gpumem) and page moves off but for memory pressure, a block that growing would fit with
+/// only ~100 MiB to spare takes a free block's pages instead, leaving the device more than the
+/// headroom (256 MiB); then a block that nothing free can serve grows into the headroom and
+/// does not fail. The moved-into block keeps its data.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn growth_into_the_devices_headroom_moves_pages_first() {
+    let g = gpu();
+    let st = g.ctx.new_stream().unwrap();
+    let s = Stream::from(&*st);
+    let a = Device::cuda(
+        0,
+        Config::parse("shards:1,quick_cache:0,page_moves:False,pressure_release:0").unwrap(),
+    )
+    .unwrap();
+    assert!(a.expandable(), "the H100 has virtual-memory management");
+    let device_free = || {
+        g.ctx.bind_to_thread().unwrap();
+        cudarc::driver::result::mem_get_info().unwrap().0 as u64
+    };
+    let keep = 1500 * MIB as u64;
+    let take = device_free().saturating_sub(keep);
+    // SAFETY: a plain device allocation, freed below; never touched.
+    let ballast = unsafe { cudarc::driver::result::malloc_sync(take as usize) }.unwrap();
+    // x, then a small block after it (so that y cannot take x's hole and grow past it)
+    let x = DeviceBuffer::<u32>::alloc(&a, s, 600 * MIB / 4).unwrap();
+    let k = DeviceBuffer::<u32>::alloc(&a, s, 2 * MIB / 4).unwrap();
+    drop(x);
+    let before = a.stats();
+    // growing by 800 MiB would leave about 100 MiB of the device free
+    let mut y = DeviceBuffer::<u32>::alloc(&a, s, 800 * MIB / 4).unwrap();
+    fill(&g, &st, &mut y, 0x7777_7777);
+    let after = a.stats();
+    let left = device_free();
+    assert!(
+        after.num_pressure_moves > before.num_pressure_moves,
+        "{after:?}"
+    );
+    assert!(left >= 256 * MIB as u64, "{} MiB left", left >> 20);
+    assert!(
+        after.reserved_bytes.all.current <= 900 * MIB as u64,
+        "{after:?}"
+    );
+    // nothing free to move: growth takes the headroom, and does not fail
+    let v = DeviceBuffer::<u32>::alloc(&a, s, ((left - 64 * MIB as u64) / 4) as usize).unwrap();
+    assert_eq!(a.stats().num_ooms, 0);
+    let last = device_free();
+    assert!(last < 256 * MIB as u64, "{} MiB left", last >> 20);
+    st.synchronize().unwrap();
+    assert_eq!(wrong_words(&y, 0x7777_7777), 0, "y holds its data");
+    println!(
+        "headroom: {} MiB left after y ({} pressure moves), {} MiB after v",
+        left >> 20,
+        after.num_pressure_moves,
+        last >> 20
+    );
+    drop((v, y, k));
+    // SAFETY: allocated above, freed once.
+    unsafe { cudarc::driver::result::free_sync(ballast) }.unwrap();
+}
+
 /// What [`pages_move_under_a_running_kernel`] saw.
 struct MoveUnderKernel {
     stats: gpumem::Stats,
