@@ -383,11 +383,10 @@ fn growth_into_the_devices_headroom_moves_pages_first() {
     let g = gpu();
     let st = g.ctx.new_stream().unwrap();
     let s = Stream::from(&*st);
-    let a = Device::cuda(
-        0,
-        Config::parse("shards:1,quick_cache:0,page_moves:False,pressure_release:0").unwrap(),
-    )
-    .unwrap();
+    // page moves only under memory pressure (no time-budget moves: a field, not a key)
+    let mut config = Config::parse("shards:1,quick_cache:0,pressure_release:0").unwrap();
+    config.pool.page_moves = false;
+    let a = Device::cuda(0, config).unwrap();
     assert!(a.expandable(), "the H100 has virtual-memory management");
     let device_free = || {
         g.ctx.bind_to_thread().unwrap();
