@@ -52,6 +52,15 @@ fn gpu() -> Gpu {
     }
 }
 
+impl Gpu {
+    /// The device's free and total memory (every process counted), bytes.
+    fn mem_info(&self) -> (u64, u64) {
+        self.ctx.bind_to_thread().unwrap();
+        let (free, total) = cudarc::driver::result::mem_get_info().unwrap();
+        (free as u64, total as u64)
+    }
+}
+
 fn cfg(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n as u32)
 }
@@ -388,12 +397,8 @@ fn growth_into_the_devices_headroom_moves_pages_first() {
     config.pool.page_moves = false;
     let a = Device::cuda(0, config).unwrap();
     assert!(a.expandable(), "the H100 has virtual-memory management");
-    let device_free = || {
-        g.ctx.bind_to_thread().unwrap();
-        cudarc::driver::result::mem_get_info().unwrap().0 as u64
-    };
     let keep = 1500 * MIB as u64;
-    let take = device_free().saturating_sub(keep);
+    let take = g.mem_info().0.saturating_sub(keep);
     // SAFETY: a plain device allocation, freed below; never touched.
     let ballast = unsafe { cudarc::driver::result::malloc_sync(take as usize) }.unwrap();
     // x, then a small block after it (so that y cannot take x's hole and grow past it)
@@ -405,7 +410,7 @@ fn growth_into_the_devices_headroom_moves_pages_first() {
     let mut y = DeviceBuffer::<u32>::alloc(&a, s, 800 * MIB / 4).unwrap();
     fill(&g, &st, &mut y, 0x7777_7777);
     let after = a.stats();
-    let left = device_free();
+    let left = g.mem_info().0;
     assert!(
         after.num_pressure_moves > before.num_pressure_moves,
         "{after:?}"
@@ -418,7 +423,7 @@ fn growth_into_the_devices_headroom_moves_pages_first() {
     // nothing free to move: growth takes the headroom, and does not fail
     let v = DeviceBuffer::<u32>::alloc(&a, s, ((left - 64 * MIB as u64) / 4) as usize).unwrap();
     assert_eq!(a.stats().num_ooms, 0);
-    let last = device_free();
+    let last = g.mem_info().0;
     assert!(last < 256 * MIB as u64, "{} MiB left", last >> 20);
     st.synchronize().unwrap();
     assert_eq!(wrong_words(&y, 0x7777_7777), 0, "y holds its data");
@@ -687,11 +692,7 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
     let g = gpu();
     let st = g.ctx.new_stream().unwrap();
     let s = Stream::from(&*st);
-    let device_free = || {
-        g.ctx.bind_to_thread().unwrap();
-        cudarc::driver::result::mem_get_info().unwrap().0 as u64
-    };
-    let free_before = device_free();
+    let free_before = g.mem_info().0;
     let workers_before = threads_named("gpumem-pages");
     {
         let a = Device::cuda(0, Config::parse("shards:1").unwrap()).unwrap();
@@ -724,7 +725,7 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
         threads_named_settled("gpumem-pages", workers_before),
         workers_before
     );
-    let free_after = device_free();
+    let free_after = g.mem_info().0;
     assert!(
         free_after + 64 * MIB as u64 >= free_before,
         "device free {} MiB before, {} MiB after",
@@ -760,11 +761,6 @@ fn another_process_taking_memory_gets_the_cache_back() {
         return;
     }
     let g = gpu();
-    let mem = || {
-        g.ctx.bind_to_thread().unwrap();
-        let (free, total) = cudarc::driver::result::mem_get_info().unwrap();
-        (free as u64, total as u64)
-    };
     let a = Device::cuda(
         0,
         Config::parse("shards:1,pressure_release:0.2,pressure_interval_ms:0").unwrap(),
@@ -781,7 +777,7 @@ fn another_process_taking_memory_gets_the_cache_back() {
     a.synchronize_device().unwrap();
     let cached = a.stats().reserved_bytes.all.current;
     assert!(cached >= 8 << 30);
-    let (free, total) = mem();
+    let (free, total) = g.mem_info();
     // the other process leaves a tenth of the device free
     let take = (free - total / 10) >> 20;
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
@@ -805,13 +801,13 @@ fn another_process_taking_memory_gets_the_cache_back() {
         .map_while(|l| l.ok())
         .any(|l| l.contains("hog ready"));
     assert!(ready, "the other process could not take its memory");
-    let (free_now, _) = mem();
+    let (free_now, _) = g.mem_info();
     for _ in 0..600 {
         let b = a.allocate(s, 4096, 512).unwrap();
         a.deallocate(b).unwrap();
     }
     let st = a.stats();
-    let (free_after, _) = mem();
+    let (free_after, _) = g.mem_info();
     println!(
         "cached {} MiB; another process took {take} MiB (free {} -> {} MiB); after gpumem's \
          next allocations: {} release(s), reserved {} MiB, free {} MiB",

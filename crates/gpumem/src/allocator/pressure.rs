@@ -64,13 +64,7 @@ impl CachingAllocator {
     #[cold]
     pub fn check_pressure(&self) -> bool {
         let cfg = &self.inner.config.pool;
-        // a device's memory, shared with other processes (plain host memory is the operating
-        // system's to share)
-        let device = matches!(
-            self.inner.backend.location(),
-            crate::resource::Location::Cuda(_) | crate::resource::Location::Simulated
-        );
-        if cfg.pressure_release <= 0.0 || !device {
+        if cfg.pressure_release <= 0.0 || !self.inner.backend.location().is_device_memory() {
             return false;
         }
         let p = &self.inner.pressure;

@@ -359,11 +359,7 @@ impl CachingPool {
     /// clock), unless the last one stands ([`LOOK_STANDS_NS`]). Device memory only (CUDA, the
     /// simulator).
     fn device_short(&mut self, need: u64, now: u64) -> bool {
-        use crate::resource::Location;
-        if !matches!(
-            self.backend.location(),
-            Location::Cuda(_) | Location::Simulated
-        ) {
+        if !self.backend.location().is_device_memory() {
             return false;
         }
         // (the device's memory: the memory budget has its own check, `over_limit`)

@@ -89,6 +89,15 @@ pub enum Location {
     Managed(usize),
 }
 
+impl Location {
+    /// A device's own memory (CUDA, or the simulated device): shared with other processes
+    /// and with what the driver and libraries take, where the pool watches the free memory.
+    /// Plain host memory is the operating system's to share; managed memory oversubscribes.
+    pub fn is_device_memory(self) -> bool {
+        matches!(self, Location::Cuda(_) | Location::Simulated)
+    }
+}
+
 /// Where managed memory can live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum MemPlace {
