@@ -121,8 +121,9 @@ enum BenchWhat {
         /// Threads of the multi-threaded scenario (1 to 256).
         #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=256))]
         threads: u64,
-        /// Rounds of gpumem's allocators, the configured policy and classic segments taking
-        /// turns, a fresh allocator each; each figure is the median over rounds (1 to 20).
+        /// Rounds of gpumem's allocators, fresh ones each round, the configured policy's and
+        /// classic segments' single-thread scenarios batch by batch in turn; each figure is
+        /// the median over rounds (1 to 20).
         #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=20))]
         rounds: u64,
         #[command(flatten)]

@@ -110,8 +110,24 @@ fn bench_alloc_json_has_the_scenarios() {
             .fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
         assert!(lo <= median && median <= hi, "{json}");
     }
+    // the two policies' single-thread scenarios batch by batch: 2 batches of 1000 a round
+    let paired = v["paired"].as_array().unwrap();
+    assert_eq!(paired.len(), 2, "{json}");
+    for (p, scenario) in paired.iter().zip(["same_size", "random_256_live"]) {
+        assert_eq!(p["scenario"], scenario);
+        assert_eq!(p["allocator"], "gpumem");
+        assert_eq!(p["against"], "gpumem (classic)");
+        assert_eq!(p["batches"], 4, "{json}");
+        let (lo, mid, hi) = (
+            p["low"].as_f64().unwrap(),
+            p["median_ratio"].as_f64().unwrap(),
+            p["high"].as_f64().unwrap(),
+        );
+        assert!(0.0 < lo && lo <= mid && mid <= hi, "{json}");
+    }
     // a configuration with classic segments already is measured once, under its own name
     let (v, _) = bench(&["--threads", "2", "--conf", "expandable_segments:False"]);
+    assert_eq!(v["paired"].as_array().unwrap().len(), 0);
     let names: Vec<&str> = v["rows"]
         .as_array()
         .unwrap()

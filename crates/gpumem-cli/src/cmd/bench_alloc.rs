@@ -29,10 +29,11 @@ pub struct Row {
     /// passes over the random workload before the timed part (see [`MAX_WARM_PASSES`]); 0
     /// where there is none
     pub warm_passes: usize,
-    /// gpumem's allocators: `ns_per_op` of each round (a fresh allocator each, the
-    /// configured policy and classic segments taking turns); the row's `ns_per_op` is their
-    /// median, `mean_ns_per_op` their mean's mean, `device_calls` and `warm_passes` their
-    /// most. One entry for the other allocators.
+    /// gpumem's allocators: `ns_per_op` of each round (fresh allocators each round; the
+    /// configured policy's and classic segments' single-thread scenarios run batch by batch
+    /// in turn, see [`Paired`]); the row's `ns_per_op` is their median, `mean_ns_per_op`
+    /// their mean's mean, `device_calls` and `warm_passes` their most. One entry for the
+    /// other allocators.
     pub rounds: Vec<f64>,
 }
 
@@ -149,23 +150,221 @@ fn gpumem_settings(config: Config) -> Vec<(Config, &'static str)> {
     settings
 }
 
-/// Every scenario for gpumem's `settings`, taking turns for `plan.rounds` rounds, each run on
-/// a fresh device from `open` (dropped before the next runs, so that its cached memory goes
-/// back first): one list of rows a run, for [`combine`].
+/// Every scenario for gpumem's `settings`, for `plan.rounds` rounds, each on fresh devices
+/// from `open`: one list of rows a setting and round, for [`combine`], and the single-thread
+/// scenarios' batch-by-batch comparison of the first setting with the second ([`Paired`]).
+/// Where there are two settings (the configured policy and classic segments), their
+/// single-thread scenarios run side by side, batch by batch in turn ([`same_size_turns`],
+/// [`random_live_turns`]); then each one's threads (its cache emptied first, and each
+/// device dropped before the next round's are opened).
 fn gpumem_rounds(
     settings: &[(Config, &'static str)],
     plan: &Plan,
     pb: &ProgressBar,
     open: impl Fn(Config) -> gpumem::Result<Device>,
-) -> gpumem::Result<Vec<Vec<Row>>> {
+) -> gpumem::Result<(Vec<Vec<Row>>, Vec<Paired>)> {
     let mut rounds = Vec::new();
+    let (mut same, mut random): (Turns, Turns) = (Vec::new(), Vec::new());
     for _ in 0..plan.rounds {
-        for (config, name) in settings {
-            let g = Gpumem(open(config.clone())?.allocator().clone(), name);
-            rounds.push(run_all(&g, plan, pb));
+        let gs = settings
+            .iter()
+            .map(|(config, name)| Ok(Gpumem(open(config.clone())?.allocator().clone(), name)))
+            .collect::<gpumem::Result<Vec<_>>>()?;
+        if gs.len() < 2 {
+            rounds.extend(gs.iter().map(|g| run_all(g, plan, pb)));
+            continue;
+        }
+        let apis: Vec<&Gpumem> = gs.iter().collect();
+        let (same_rows, t) = same_size_turns(&apis, plan.pairs, pb);
+        same.extend(t);
+        let (random_rows, t) = random_live_turns(&apis, plan.ops, pb);
+        random.extend(t);
+        for g in &gs {
+            g.0.empty_cache();
+        }
+        for (j, g) in gs.into_iter().enumerate() {
+            pb.set_message(format!(
+                "{}: random_256_live, {} threads",
+                g.name(),
+                plan.threads
+            ));
+            let threads = random_live_threads(&g, plan.threads, plan.ops, pb);
+            rounds.push(vec![same_rows[j].clone(), random_rows[j].clone(), threads]);
+            g.0.empty_cache();
         }
     }
-    Ok(rounds)
+    let paired = match settings {
+        [(_, a), (_, b), ..] => vec![
+            Paired::of("same_size", a, b, &same),
+            Paired::of("random_256_live", a, b, &random),
+        ],
+        _ => Vec::new(),
+    };
+    Ok((rounds, paired))
+}
+
+/// Batch times (ns per op) of allocators taking turns: entry `k` holds each allocator's
+/// batch `k`, in the allocators' order.
+type Turns = Vec<Vec<f64>>;
+
+/// The order in which the allocators run batch `k`: forwards, then backwards, in turn (so
+/// that neither always runs right after the other).
+fn turn_order(n: usize, k: usize) -> Vec<usize> {
+    if k % 2 == 0 {
+        (0..n).collect()
+    } else {
+        (0..n).rev().collect()
+    }
+}
+
+/// One row an allocator from the batch times of `turns` (see [`Turns`]).
+fn turn_rows<A: Api>(
+    apis: &[&A],
+    scenario: &str,
+    turns: &Turns,
+    calls: &[u64],
+    warm: &[usize],
+) -> Vec<Row> {
+    apis.iter()
+        .enumerate()
+        .map(|(j, api)| {
+            let per: Vec<f64> = turns.iter().map(|t| t[j]).collect();
+            Row {
+                allocator: api.name(),
+                scenario: scenario.into(),
+                threads: 1,
+                mean_ns_per_op: mean(&per),
+                ns_per_op: median(per),
+                device_calls: calls[j],
+                warm_passes: warm[j],
+                rounds: Vec::new(),
+            }
+        })
+        .collect()
+}
+
+/// [`same_size`] on `apis` side by side: batch `k` of each in turn (see [`turn_order`]), so
+/// that the host's slow stretches fall on all of them alike.
+fn same_size_turns<A: Api>(apis: &[&A], pairs: usize, pb: &ProgressBar) -> (Vec<Row>, Turns) {
+    for api in apis {
+        pb.set_message(format!("{}: same_size", api.name()));
+        for _ in 0..BATCH {
+            let h = api.alloc(4096);
+            api.free(h);
+        }
+    }
+    let pairs = pairs.max(BATCH);
+    let calls: Vec<u64> = apis.iter().map(|a| a.device_calls()).collect();
+    let mut turns = Vec::new();
+    for k in 0..pairs / BATCH {
+        let mut t = vec![0.0; apis.len()];
+        for j in turn_order(apis.len(), k) {
+            let api = apis[j];
+            let started = Instant::now();
+            for _ in 0..BATCH {
+                let h = api.alloc(std::hint::black_box(4096));
+                api.free(h);
+            }
+            t[j] = started.elapsed().as_nanos() as f64 / BATCH as f64;
+            pb.inc(BATCH as u64);
+        }
+        turns.push(t);
+    }
+    let calls: Vec<u64> = apis
+        .iter()
+        .zip(&calls)
+        .map(|(a, c)| a.device_calls() - c)
+        .collect();
+    let rows = turn_rows(apis, "same_size", &turns, &calls, &vec![0; apis.len()]);
+    (rows, turns)
+}
+
+/// [`random_live`] on `apis` side by side: each warmed up on its own (the same workload
+/// each), then batch `k` of each in turn (see [`turn_order`]), the same steps of the workload.
+fn random_live_turns<A: Api>(apis: &[&A], ops: usize, pb: &ProgressBar) -> (Vec<Row>, Turns) {
+    let w = RandomLive::standard(1, PASS_OPS);
+    let mut lives = Vec::new();
+    let mut warm = Vec::new();
+    for api in apis {
+        pb.set_message(format!("{}: random_256_live", api.name()));
+        let mut live = warm_set(*api, &w);
+        warm.push(warm_passes(*api, &w, &mut live, pb));
+        lives.push(live);
+    }
+    let calls: Vec<u64> = apis.iter().map(|a| a.device_calls()).collect();
+    let mut turns = Vec::new();
+    let mut step = 0;
+    let mut k = 0;
+    while step < ops {
+        let n = BATCH.min(ops - step);
+        let mut t = vec![0.0; apis.len()];
+        for j in turn_order(apis.len(), k) {
+            t[j] = random_steps_from(apis[j], &w, &mut lives[j], step, n, pb)[0];
+        }
+        turns.push(t);
+        step += n;
+        k += 1;
+    }
+    let calls: Vec<u64> = apis
+        .iter()
+        .zip(&calls)
+        .map(|(a, c)| a.device_calls() - c)
+        .collect();
+    for (api, live) in apis.iter().zip(lives) {
+        for h in live {
+            api.free(h);
+        }
+    }
+    let rows = turn_rows(apis, "random_256_live", &turns, &calls, &warm);
+    (rows, turns)
+}
+
+/// One allocator against another, batch by batch: the ratios of the first's time of each
+/// batch to the second's time of the same batch (run in turn, see [`turn_order`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct Paired {
+    pub scenario: String,
+    pub allocator: String,
+    pub against: String,
+    pub batches: usize,
+    /// median of the ratios
+    pub median_ratio: f64,
+    /// a 95% interval of that median (order statistics: distribution-free)
+    pub low: f64,
+    pub high: f64,
+}
+
+impl Paired {
+    fn of(scenario: &str, allocator: &str, against: &str, turns: &Turns) -> Self {
+        let mut r: Vec<f64> = turns
+            .iter()
+            .filter(|t| t.len() >= 2 && t[1] > 0.0)
+            .map(|t| t[0] / t[1])
+            .collect();
+        r.sort_by(f64::total_cmp);
+        let n = r.len();
+        let (low, high) = median_interval(n);
+        let at = |i: usize| r.get(i.min(n.saturating_sub(1))).copied().unwrap_or(0.0);
+        Self {
+            scenario: scenario.into(),
+            allocator: allocator.into(),
+            against: against.into(),
+            batches: n,
+            median_ratio: at(n / 2),
+            low: at(low),
+            high: at(high),
+        }
+    }
+}
+
+/// Ranks (0-based, in sorted order) of a 95% interval of the median of `n` samples: n/2 ∓
+/// 1.96 √n / 2 (the binomial's normal approximation).
+fn median_interval(n: usize) -> (usize, usize) {
+    let half = 1.96 * (n as f64).sqrt() / 2.0;
+    let mid = n as f64 / 2.0;
+    let low = (mid - half).floor().max(0.0) as usize;
+    let high = ((mid + half).ceil() as usize).min(n.saturating_sub(1));
+    (low, high)
 }
 
 impl Api for Gpumem {
@@ -316,8 +515,21 @@ fn random_steps<A: Api>(
     ops: usize,
     pb: &ProgressBar,
 ) -> Vec<f64> {
+    random_steps_from(api, w, live, 0, ops, pb)
+}
+
+/// [`random_steps`] from step `start` of the workload on.
+fn random_steps_from<A: Api>(
+    api: &A,
+    w: &RandomLive,
+    live: &mut [A::Handle],
+    start: usize,
+    ops: usize,
+    pb: &ProgressBar,
+) -> Vec<f64> {
     let mut per = Vec::new();
-    let mut step = 0usize;
+    let mut step = start;
+    let ops = start + ops;
     while step < ops {
         let n = BATCH.min(ops - step);
         let t = Instant::now();
@@ -475,6 +687,9 @@ pub fn units<A: Api>(api: &A, plan: &Plan) -> u64 {
 struct BenchOut {
     pub device: String,
     rows: Vec<Row>,
+    /// gpumem's policy against classic segments, batch by batch (empty where its
+    /// configuration has classic segments already)
+    paired: Vec<Paired>,
 }
 
 pub struct AllocArgs {
@@ -486,19 +701,27 @@ pub struct AllocArgs {
 pub fn run(a: AllocArgs) -> Result<()> {
     let config = a.target.config()?;
     let gpu = a.target.gpu();
-    let (device, rows) = if gpu {
+    let (device, rows, paired) = if gpu {
         bench_gpu(&a, config)?
     } else {
         let settings = gpumem_settings(config);
         let total = units(&System, &a.plan) * (1 + (a.plan.rounds * settings.len()) as u64);
         let pb = progress(total, a.json);
-        let mut rounds = gpumem_rounds(&settings, &a.plan, &pb, Device::host)?;
+        let (mut rounds, paired) = gpumem_rounds(&settings, &a.plan, &pb, Device::host)?;
         rounds.push(run_all(&System, &a.plan, &pb));
         let rows = combine(rounds);
         pb.finish_and_clear();
-        ("host (no GPU)".to_string(), rows)
+        ("host (no GPU)".to_string(), rows, paired)
     };
-    emit(a.json, &BenchOut { device, rows }, print)
+    emit(
+        a.json,
+        &BenchOut {
+            device,
+            rows,
+            paired,
+        },
+        print,
+    )
 }
 
 /// The table, and each allocator's thread speedup.
@@ -527,7 +750,13 @@ fn print(out: &BenchOut) {
             }
         );
     }
-    println!("(median ns/op: gpumem's is the median over its rounds, a fresh allocator each, the two policies taking turns; timed calls: gpumem's driver calls while timed, the most of a round; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
+    println!("(median ns/op: gpumem's is the median over its rounds, fresh allocators each, the two policies' single-thread scenarios batch by batch in turn; timed calls: gpumem's driver calls while timed, the most of a round; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
+    for p in &out.paired {
+        println!(
+            "{} / {}, {}, batch by batch ({} batches of {BATCH} in turn): median {:.3} (95% {:.3}-{:.3})",
+            p.allocator, p.against, p.scenario, p.batches, p.median_ratio, p.low, p.high
+        );
+    }
     let mut names: Vec<&str> = rows.iter().map(|r| r.allocator.as_str()).collect();
     names.dedup();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -549,7 +778,7 @@ fn print(out: &BenchOut) {
 }
 
 #[cfg(feature = "cuda")]
-fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
+fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>, Vec<Paired>)> {
     use gpumem::resource::cuda::{CudaAsyncPool, CudaDevice};
     use std::sync::Arc;
     let name = device_name(a.target.device)?;
@@ -566,7 +795,7 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
     let total = units(&pool, &a.plan) * (1 + (a.plan.rounds * settings.len()) as u64)
         + units(&raw, &a.plan);
     let pb = progress(total, a.json);
-    let mut rounds = gpumem_rounds(&settings, &a.plan, &pb, |c| {
+    let (mut rounds, paired) = gpumem_rounds(&settings, &a.plan, &pb, |c| {
         gpumem::Device::cuda(a.target.device, c)
     })?;
     rounds.push(run_all(&pool, &a.plan, &pb));
@@ -574,11 +803,11 @@ fn bench_gpu(a: &AllocArgs, config: Config) -> Result<(String, Vec<Row>)> {
     rounds.push(run_all(&raw, &a.plan, &pb));
     let rows = combine(rounds);
     pb.finish_and_clear();
-    Ok((name, rows))
+    Ok((name, rows, paired))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn bench_gpu(a: &AllocArgs, _: Config) -> Result<(String, Vec<Row>)> {
+fn bench_gpu(a: &AllocArgs, _: Config) -> Result<(String, Vec<Row>, Vec<Paired>)> {
     Err(format!("device {}: built without the cuda feature", a.target.device).into())
 }
 
@@ -622,6 +851,26 @@ mod tests {
         assert_eq!((c.ns_per_op, c.device_calls, c.warm_passes), (230.0, 1, 4));
         assert_eq!(rows[2].rounds, vec![900.0]);
         assert_eq!(rows[2].ns_per_op, 900.0);
+    }
+
+    #[test]
+    fn batch_by_batch_ratios_give_their_median_within_an_interval() {
+        // 100 batches: gpumem's twice classic's in the first half, the same in the second
+        let turns: Turns = (0..100)
+            .map(|k| vec![if k < 50 { 200.0 } else { 100.0 }, 100.0])
+            .collect();
+        let p = Paired::of("same_size", "gpumem", "gpumem (classic)", &turns);
+        assert_eq!((p.batches, p.median_ratio), (100, 2.0));
+        assert_eq!((p.low, p.high), (1.0, 2.0));
+        // ranks of the interval: 50 -/+ 9.8
+        assert_eq!(median_interval(100), (40, 60));
+        assert_eq!(median_interval(1), (0, 0));
+        assert_eq!(median_interval(0), (0, 0));
+        let none = Paired::of("same_size", "a", "b", &Vec::new());
+        assert_eq!((none.batches, none.median_ratio), (0, 0.0));
+        // the order in which allocators run a batch turns around every other batch
+        assert_eq!(turn_order(2, 0), vec![0, 1]);
+        assert_eq!(turn_order(2, 1), vec![1, 0]);
     }
 
     #[test]
