@@ -109,6 +109,9 @@ fn bench_alloc_json_has_the_scenarios() {
             .iter()
             .fold((f64::MAX, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
         assert!(lo <= median && median <= hi, "{json}");
+        let share = row["planned_share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&share), "{json}");
+        assert!(row["plans"].as_u64().is_some(), "{json}");
     }
     // the two policies' single-thread scenarios batch by batch: 2 batches of 1000 a round
     let paired = v["paired"].as_array().unwrap();

@@ -29,6 +29,12 @@ pub struct Row {
     /// passes over the random workload before the timed part (see [`MAX_WARM_PASSES`]); 0
     /// where there is none
     pub warm_passes: usize,
+    /// gpumem's allocators: the share of the timed allocations served from a planned layout
+    /// (the least of a round); 0 for the others
+    pub planned_share: f64,
+    /// gpumem's allocators: layouts planned by the end of the scenario, counting those of the
+    /// allocator's earlier scenarios (the most of a round); 0 for the others
+    pub plans: u64,
     /// gpumem's allocators: `ns_per_op` of each round (fresh allocators each round; the
     /// configured policy's and classic segments' single-thread scenarios run batch by batch
     /// in turn, see [`Paired`]); the row's `ns_per_op` is their median, `mean_ns_per_op`
@@ -51,6 +57,8 @@ fn combine(rounds: Vec<Vec<Row>>) -> Vec<Row> {
                 o.rounds.push(r.ns_per_op);
                 o.device_calls = o.device_calls.max(r.device_calls);
                 o.warm_passes = o.warm_passes.max(r.warm_passes);
+                o.planned_share = o.planned_share.min(r.planned_share);
+                o.plans = o.plans.max(r.plans);
                 means[i].push(r.mean_ns_per_op);
             }
             None => {
@@ -132,6 +140,17 @@ pub trait Api: Sync {
     fn settling(&self) -> bool {
         false
     }
+    /// Layouts planned and allocations served from them so far (gpumem's statistics).
+    fn plan_counts(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
+/// What an allocator's plans did between `before` and `after` ([`Api::plan_counts`]) for
+/// `allocs` timed allocations: (share served from a plan, plans by the end).
+fn plan_figures(before: (u64, u64), after: (u64, u64), allocs: usize) -> (f64, u64) {
+    let served = after.1.saturating_sub(before.1) as f64;
+    ((served / allocs.max(1) as f64).min(1.0), after.0)
 }
 
 /// gpumem's allocator under a name for the table.
@@ -217,28 +236,64 @@ fn turn_order(n: usize, k: usize) -> Vec<usize> {
     }
 }
 
-/// One row an allocator from the batch times of `turns` (see [`Turns`]).
+/// An allocator's counters before a timed part: driver calls and [`Api::plan_counts`].
+#[derive(Clone, Copy)]
+struct Counters {
+    calls: u64,
+    plans: (u64, u64),
+}
+
+impl Counters {
+    fn of<A: Api>(api: &A) -> Self {
+        Self {
+            calls: api.device_calls(),
+            plans: api.plan_counts(),
+        }
+    }
+}
+
+/// A row of `api`'s timed part of `scenario` on `threads` threads, from its batch times `per`
+/// and its counters `at` its start and end, for `allocs` timed allocations.
+fn row_of<A: Api>(
+    api: &A,
+    (scenario, threads): (String, usize),
+    per: Vec<f64>,
+    at: (Counters, Counters),
+    allocs: usize,
+    warm_passes: usize,
+) -> Row {
+    let (before, after) = at;
+    let (planned_share, plans) = plan_figures(before.plans, after.plans, allocs);
+    Row {
+        allocator: api.name(),
+        scenario,
+        threads,
+        mean_ns_per_op: mean(&per),
+        ns_per_op: median(per),
+        device_calls: after.calls - before.calls,
+        warm_passes,
+        planned_share,
+        plans,
+        rounds: Vec::new(),
+    }
+}
+
+/// One row an allocator from the batch times of `turns` (see [`Turns`]), each allocator's
+/// counters `before` the timed part and its warm-up passes, for `allocs` allocations each.
 fn turn_rows<A: Api>(
     apis: &[&A],
     scenario: &str,
     turns: &Turns,
-    calls: &[u64],
+    before: &[Counters],
+    allocs: usize,
     warm: &[usize],
 ) -> Vec<Row> {
     apis.iter()
         .enumerate()
         .map(|(j, api)| {
-            let per: Vec<f64> = turns.iter().map(|t| t[j]).collect();
-            Row {
-                allocator: api.name(),
-                scenario: scenario.into(),
-                threads: 1,
-                mean_ns_per_op: mean(&per),
-                ns_per_op: median(per),
-                device_calls: calls[j],
-                warm_passes: warm[j],
-                rounds: Vec::new(),
-            }
+            let per = turns.iter().map(|t| t[j]).collect();
+            let at = (before[j], Counters::of(*api));
+            row_of(*api, (scenario.into(), 1), per, at, allocs, warm[j])
         })
         .collect()
 }
@@ -254,7 +309,7 @@ fn same_size_turns<A: Api>(apis: &[&A], pairs: usize, pb: &ProgressBar) -> (Vec<
         }
     }
     let pairs = pairs.max(BATCH);
-    let calls: Vec<u64> = apis.iter().map(|a| a.device_calls()).collect();
+    let before: Vec<Counters> = apis.iter().map(|a| Counters::of(*a)).collect();
     let mut turns = Vec::new();
     for k in 0..pairs / BATCH {
         let mut t = vec![0.0; apis.len()];
@@ -270,12 +325,15 @@ fn same_size_turns<A: Api>(apis: &[&A], pairs: usize, pb: &ProgressBar) -> (Vec<
         }
         turns.push(t);
     }
-    let calls: Vec<u64> = apis
-        .iter()
-        .zip(&calls)
-        .map(|(a, c)| a.device_calls() - c)
-        .collect();
-    let rows = turn_rows(apis, "same_size", &turns, &calls, &vec![0; apis.len()]);
+    let allocs = turns.len() * BATCH;
+    let rows = turn_rows(
+        apis,
+        "same_size",
+        &turns,
+        &before,
+        allocs,
+        &vec![0; apis.len()],
+    );
     (rows, turns)
 }
 
@@ -291,7 +349,7 @@ fn random_live_turns<A: Api>(apis: &[&A], ops: usize, pb: &ProgressBar) -> (Vec<
         warm.push(warm_passes(*api, &w, &mut live, pb));
         lives.push(live);
     }
-    let calls: Vec<u64> = apis.iter().map(|a| a.device_calls()).collect();
+    let before: Vec<Counters> = apis.iter().map(|a| Counters::of(*a)).collect();
     let mut turns = Vec::new();
     let mut step = 0;
     let mut k = 0;
@@ -305,17 +363,12 @@ fn random_live_turns<A: Api>(apis: &[&A], ops: usize, pb: &ProgressBar) -> (Vec<
         step += n;
         k += 1;
     }
-    let calls: Vec<u64> = apis
-        .iter()
-        .zip(&calls)
-        .map(|(a, c)| a.device_calls() - c)
-        .collect();
+    let rows = turn_rows(apis, "random_256_live", &turns, &before, ops, &warm);
     for (api, live) in apis.iter().zip(lives) {
         for h in live {
             api.free(h);
         }
     }
-    let rows = turn_rows(apis, "random_256_live", &turns, &calls, &warm);
     (rows, turns)
 }
 
@@ -386,6 +439,10 @@ impl Api for Gpumem {
     }
     fn settling(&self) -> bool {
         self.0.stats().plans_pending > 0
+    }
+    fn plan_counts(&self) -> (u64, u64) {
+        let s = self.0.stats();
+        (s.num_plans, s.num_plan_allocs)
     }
 }
 
@@ -484,7 +541,7 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         api.free(h);
     }
     let mut per = Vec::new();
-    let calls = api.device_calls();
+    let before = Counters::of(api);
     for _ in 0..pairs / BATCH {
         let t = Instant::now();
         for _ in 0..BATCH {
@@ -494,16 +551,8 @@ pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
         per.push(t.elapsed().as_nanos() as f64 / BATCH as f64);
         pb.inc(BATCH as u64);
     }
-    Row {
-        allocator: api.name(),
-        scenario: "same_size".into(),
-        threads: 1,
-        mean_ns_per_op: mean(&per),
-        ns_per_op: median(per),
-        device_calls: api.device_calls() - calls,
-        warm_passes: 0,
-        rounds: Vec::new(),
-    }
+    let (at, allocs) = ((before, Counters::of(api)), per.len() * BATCH);
+    row_of(api, ("same_size".into(), 1), per, at, allocs, 0)
 }
 
 /// Run `ops` steps of the random workload over `live`, timing batches; returns ns per op
@@ -575,22 +624,14 @@ pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
     let w = RandomLive::standard(1, PASS_OPS);
     let mut live = warm_set(api, &w);
     let warm = warm_passes(api, &w, &mut live, pb);
-    let calls = api.device_calls();
+    let before = Counters::of(api);
     let per = random_steps(api, &w, &mut live, ops, pb);
-    let calls = api.device_calls() - calls;
+    let at = (before, Counters::of(api));
+    let row = row_of(api, ("random_256_live".into(), 1), per, at, ops, warm);
     for h in live {
         api.free(h);
     }
-    Row {
-        allocator: api.name(),
-        scenario: "random_256_live".into(),
-        threads: 1,
-        mean_ns_per_op: mean(&per),
-        ns_per_op: median(per),
-        device_calls: calls,
-        warm_passes: warm,
-        rounds: Vec::new(),
-    }
+    row
 }
 
 /// `random_256_live_N_threads`: the same on N threads at once, each with its own live set;
@@ -642,22 +683,15 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
         }
         barrier.wait(); // the timed part starts
         let t = Instant::now();
-        let calls = api.device_calls();
+        let before = Counters::of(api);
         barrier.wait();
-        (t.elapsed(), api.device_calls() - calls, warm.passes)
+        (t.elapsed(), (before, Counters::of(api)), warm.passes)
     });
-    let (wall, calls, warm) = wall;
+    let (wall, at, warm) = wall;
     let per_op = wall.as_nanos() as f64 / (ops * threads) as f64;
-    Row {
-        allocator: api.name(),
-        scenario: format!("random_256_live_{threads}_threads"),
-        threads,
-        ns_per_op: per_op,
-        mean_ns_per_op: per_op,
-        device_calls: calls,
-        warm_passes: warm,
-        rounds: Vec::new(),
-    }
+    let scenario = (format!("random_256_live_{threads}_threads"), threads);
+    // (one figure: wall time / all ops, as median and as mean)
+    row_of(api, scenario, vec![per_op], at, ops * threads, warm)
 }
 
 /// Run every scenario for one allocator.
@@ -729,13 +763,20 @@ fn print(out: &BenchOut) {
     let (device, rows) = (&out.device, &out.rows);
     println!("allocation latency on {device} (one op = one alloc + one free)");
     println!(
-        "{:<18} {:<32} {:>7} {:>14} {:>12} {:>12} {:>6}  rounds",
-        "allocator", "scenario", "threads", "median ns/op", "mean ns/op", "timed calls", "warm"
+        "{:<18} {:<32} {:>7} {:>14} {:>12} {:>12} {:>6} {:>8}  rounds",
+        "allocator",
+        "scenario",
+        "threads",
+        "median ns/op",
+        "mean ns/op",
+        "timed calls",
+        "warm",
+        "planned"
     );
     for r in rows {
         let rounds: Vec<String> = r.rounds.iter().map(|x| format!("{x:.1}")).collect();
         println!(
-            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1} {:>12} {:>6}  {}",
+            "{:<18} {:<32} {:>7} {:>14.1} {:>12.1} {:>12} {:>6} {:>7.1}%  {}",
             r.allocator,
             r.scenario,
             r.threads,
@@ -743,6 +784,7 @@ fn print(out: &BenchOut) {
             r.mean_ns_per_op,
             r.device_calls,
             r.warm_passes,
+            100.0 * r.planned_share,
             if rounds.len() > 1 {
                 rounds.join(" / ")
             } else {
@@ -750,7 +792,7 @@ fn print(out: &BenchOut) {
             }
         );
     }
-    println!("(median ns/op: gpumem's is the median over its rounds, fresh allocators each, the two policies' single-thread scenarios batch by batch in turn; timed calls: gpumem's driver calls while timed, the most of a round; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
+    println!("(median ns/op: gpumem's is the median over its rounds, fresh allocators each, the two policies' single-thread scenarios batch by batch in turn; timed calls: gpumem's driver calls while timed, the most of a round; planned: gpumem's timed allocations served from a planned layout, the least of a round; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
     for p in &out.paired {
         println!(
             "{} / {}, {}, batch by batch ({} batches of {BATCH} in turn): median {:.3} (95% {:.3}-{:.3})",
@@ -824,6 +866,8 @@ mod tests {
             mean_ns_per_op: mean,
             device_calls: calls,
             warm_passes: warm,
+            planned_share: 1.0,
+            plans: 1,
             rounds: Vec::new(),
         }
     }
@@ -868,6 +912,9 @@ mod tests {
         assert_eq!(median_interval(0), (0, 0));
         let none = Paired::of("same_size", "a", "b", &Vec::new());
         assert_eq!((none.batches, none.median_ratio), (0, 0.0));
+        // plans: the share of the timed allocations the plans served, and plans by the end
+        assert_eq!(plan_figures((1, 100), (2, 600), 1000), (0.5, 2));
+        assert_eq!(plan_figures((0, 0), (0, 0), 1000), (0.0, 0));
         // the order in which allocators run a batch turns around every other batch
         assert_eq!(turn_order(2, 0), vec![0, 1]);
         assert_eq!(turn_order(2, 1), vec![1, 0]);
