@@ -535,24 +535,8 @@ const BATCH: usize = 1000;
 
 /// `same_size`: alloc+free pairs of 4 KiB on one thread; median ns per pair over batches.
 pub fn same_size<A: Api>(api: &A, pairs: usize, pb: &ProgressBar) -> Row {
-    let pairs = api.budget(pairs).max(BATCH);
-    for _ in 0..BATCH {
-        let h = api.alloc(4096);
-        api.free(h);
-    }
-    let mut per = Vec::new();
-    let before = Counters::of(api);
-    for _ in 0..pairs / BATCH {
-        let t = Instant::now();
-        for _ in 0..BATCH {
-            let h = api.alloc(std::hint::black_box(4096));
-            api.free(h);
-        }
-        per.push(t.elapsed().as_nanos() as f64 / BATCH as f64);
-        pb.inc(BATCH as u64);
-    }
-    let (at, allocs) = ((before, Counters::of(api)), per.len() * BATCH);
-    row_of(api, ("same_size".into(), 1), per, at, allocs, 0)
+    let (mut rows, _) = same_size_turns(&[api], api.budget(pairs), pb);
+    rows.remove(0)
 }
 
 /// Run `ops` steps of the random workload over `live`, timing batches; returns ns per op
@@ -620,18 +604,8 @@ fn warm_passes<A: Api>(api: &A, w: &RandomLive, live: &mut [A::Handle], pb: &Pro
 /// Warm-up passes first (until the pool has settled: see [`MAX_WARM_PASSES`]), then median ns
 /// per op over batches.
 pub fn random_live<A: Api>(api: &A, ops: usize, pb: &ProgressBar) -> Row {
-    let ops = api.budget(ops);
-    let w = RandomLive::standard(1, PASS_OPS);
-    let mut live = warm_set(api, &w);
-    let warm = warm_passes(api, &w, &mut live, pb);
-    let before = Counters::of(api);
-    let per = random_steps(api, &w, &mut live, ops, pb);
-    let at = (before, Counters::of(api));
-    let row = row_of(api, ("random_256_live".into(), 1), per, at, ops, warm);
-    for h in live {
-        api.free(h);
-    }
-    row
+    let (mut rows, _) = random_live_turns(&[api], api.budget(ops), pb);
+    rows.remove(0)
 }
 
 /// `random_256_live_N_threads`: the same on N threads at once, each with its own live set;
@@ -696,9 +670,7 @@ pub fn random_live_threads<A: Api>(api: &A, threads: usize, ops: usize, pb: &Pro
 
 /// Run every scenario for one allocator.
 pub fn run_all<A: Api>(api: &A, plan: &Plan, pb: &ProgressBar) -> Vec<Row> {
-    pb.set_message(format!("{}: same_size", api.name()));
     let mut rows = vec![same_size(api, plan.pairs, pb)];
-    pb.set_message(format!("{}: random_256_live", api.name()));
     rows.push(random_live(api, plan.ops, pb));
     pb.set_message(format!(
         "{}: random_256_live, {} threads",
