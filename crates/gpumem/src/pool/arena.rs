@@ -163,7 +163,7 @@ impl CachingPool {
             let base = s.addr;
             if let Some(p) = s.pages.as_mut() {
                 let (p0, p1) = page_span(addr - base, size, page);
-                p.mark_freed(p0, p1, tick);
+                p.mark_freed(p0, p1, tick, freed_at.is_none());
             }
         }
         let mut id = id;

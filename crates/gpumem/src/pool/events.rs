@@ -220,8 +220,14 @@ impl CachingPool {
             return;
         }
         let tick = self.tick;
-        let last = self.gave_back_last(stream);
-        let fresh = match self.checkpoints_of(stream).outstanding.back() {
+        // (`gave_back_last`, from the count just read)
+        let last = self.streams.len() >= 2 && handed_out == 0;
+        let newest = self
+            .checkpoints
+            .iter()
+            .find(|c| c.stream == stream)
+            .and_then(|c| c.outstanding.back());
+        let fresh = match newest {
             None => true,
             Some(&(_, covers)) => last && covers < tick,
         };

@@ -796,8 +796,9 @@ fn tick_at(ticks: &[u64], p: u64) -> u64 {
     ticks.get(p as usize).copied().unwrap_or(0)
 }
 
-/// Set the ticks of pages `[from, to)` (below `high`, the list growing to `high` as needed).
-fn mark_ticks(ticks: &mut Vec<u64>, high: u64, from: u64, to: u64, tick: u64) {
+/// Set the ticks of pages `[from, to)` (below `high`, the list growing to `high` as needed);
+/// `newest`: `tick` is the pool's tick now, at or past every tick set before.
+fn mark_ticks(ticks: &mut Vec<u64>, high: u64, from: u64, to: u64, tick: u64, newest: bool) {
     let to = to.min(high);
     if from >= to {
         return;
@@ -805,9 +806,14 @@ fn mark_ticks(ticks: &mut Vec<u64>, high: u64, from: u64, to: u64, tick: u64) {
     if ticks.len() < to as usize {
         ticks.resize(high as usize, 0);
     }
+    let span = &mut ticks[from as usize..to as usize];
+    if newest {
+        span.fill(tick);
+        return;
+    }
     // (a block leaving the quick cache brings the older tick of its user's free: a page it
     // shares with a block freed since keeps the later one)
-    for t in &mut ticks[from as usize..to as usize] {
+    for t in span {
         *t = (*t).max(tick);
     }
 }
@@ -859,9 +865,9 @@ impl Pages {
         tick_at(&self.freed, p)
     }
 
-    /// Mark pages `[from, to)` as freed at `tick`.
-    pub(super) fn mark_freed(&mut self, from: u64, to: u64, tick: u64) {
-        mark_ticks(&mut self.freed, self.high, from, to, tick);
+    /// Mark pages `[from, to)` as freed at `tick` (`newest`: the pool's tick now).
+    pub(super) fn mark_freed(&mut self, from: u64, to: u64, tick: u64, newest: bool) {
+        mark_ticks(&mut self.freed, self.high, from, to, tick, newest);
     }
 
     /// Runs `(first, count)` of pages in `[from, to)` that are mapped (`want`) or not.

@@ -1014,17 +1014,18 @@ impl CachingPool {
     }
 
     /// Tell the detector of an allocation of block `id` (`free`: false) or its free.
-    #[inline]
+    #[inline(always)]
     pub(super) fn note_event(&mut self, id: u32, free: bool) {
-        if !self.plans.on {
-            return;
+        // plans place large blocks only; small ones fill the small pool's pages (this much
+        // is inlined: most events are small ones)
+        if self.plans.on && self.blocks[id as usize].rounded > SMALL_SIZE {
+            self.note_large_event(id, free);
         }
+    }
+
+    fn note_large_event(&mut self, id: u32, free: bool) {
         let b = &self.blocks[id as usize];
         let (size, stream) = (b.rounded, b.stream.0);
-        if size <= SMALL_SIZE {
-            // plans place large blocks only; small ones fill the small pool's pages
-            return;
-        }
         let idx = id as usize;
         if self.plans.born.len() <= idx {
             self.plans.born.resize(idx + 1, NONE);
@@ -1737,7 +1738,7 @@ impl CachingPool {
             let (lo, hi) = page_span(b.addr - base, b.size, page);
             let tick = self.tick;
             if let Some(pages) = self.segments[seg as usize].pages.as_mut() {
-                pages.mark_freed(lo, hi, tick);
+                pages.mark_freed(lo, hi, tick, true);
             }
             self.enter_free(id);
         }
