@@ -220,16 +220,10 @@ impl CachingPool {
             return;
         }
         let tick = self.tick;
-        // (`gave_back_last`, from the count just read)
-        let last = self.streams.len() >= 2 && handed_out == 0;
-        let newest = self
-            .checkpoints
-            .iter()
-            .find(|c| c.stream == stream)
-            .and_then(|c| c.outstanding.back());
-        let fresh = match newest {
+        let last = self.gave_back_last_of(handed_out);
+        let fresh = match self.newest_checkpoint(stream) {
             None => true,
-            Some(&(_, covers)) => last && covers < tick,
+            Some((_, covers)) => last && covers < tick,
         };
         if fresh && !self.capturing(stream) {
             self.record_checkpoint(stream);
@@ -278,7 +272,12 @@ impl CachingPool {
     /// Whether `stream` has just given back its last block handed out while the pool has
     /// several streams: it may be destroyed now, so its frees get a fresh checkpoint.
     pub(super) fn gave_back_last(&self, stream: Stream) -> bool {
-        self.streams.len() >= 2 && self.handed_out_on(stream) == 0
+        self.gave_back_last_of(self.handed_out_on(stream))
+    }
+
+    /// [`CachingPool::gave_back_last`] for a stream with `handed_out` blocks handed out.
+    fn gave_back_last_of(&self, handed_out: u32) -> bool {
+        self.streams.len() >= 2 && handed_out == 0
     }
 
     /// Blocks handed out on `stream`.
