@@ -236,6 +236,20 @@ fn turn_order(n: usize, k: usize) -> Vec<usize> {
     }
 }
 
+/// `batches` batches of `n` allocators in turn: `batch(j, k)` runs batch `k` on allocator `j`
+/// and gives its ns per op, the allocators in [`turn_order`].
+fn in_turns(n: usize, batches: usize, mut batch: impl FnMut(usize, usize) -> f64) -> Turns {
+    (0..batches)
+        .map(|k| {
+            let mut t = vec![0.0; n];
+            for j in turn_order(n, k) {
+                t[j] = batch(j, k);
+            }
+            t
+        })
+        .collect()
+}
+
 /// An allocator's counters before a timed part: driver calls and [`Api::plan_counts`].
 #[derive(Clone, Copy)]
 struct Counters {
@@ -310,21 +324,16 @@ fn same_size_turns<A: Api>(apis: &[&A], pairs: usize, pb: &ProgressBar) -> (Vec<
     }
     let pairs = pairs.max(BATCH);
     let before: Vec<Counters> = apis.iter().map(|a| Counters::of(*a)).collect();
-    let mut turns = Vec::new();
-    for k in 0..pairs / BATCH {
-        let mut t = vec![0.0; apis.len()];
-        for j in turn_order(apis.len(), k) {
-            let api = apis[j];
-            let started = Instant::now();
-            for _ in 0..BATCH {
-                let h = api.alloc(std::hint::black_box(4096));
-                api.free(h);
-            }
-            t[j] = started.elapsed().as_nanos() as f64 / BATCH as f64;
-            pb.inc(BATCH as u64);
+    let turns = in_turns(apis.len(), pairs / BATCH, |j, _| {
+        let api = apis[j];
+        let started = Instant::now();
+        for _ in 0..BATCH {
+            let h = api.alloc(std::hint::black_box(4096));
+            api.free(h);
         }
-        turns.push(t);
-    }
+        pb.inc(BATCH as u64);
+        started.elapsed().as_nanos() as f64 / BATCH as f64
+    });
     let allocs = turns.len() * BATCH;
     let rows = turn_rows(
         apis,
@@ -350,19 +359,11 @@ fn random_live_turns<A: Api>(apis: &[&A], ops: usize, pb: &ProgressBar) -> (Vec<
         lives.push(live);
     }
     let before: Vec<Counters> = apis.iter().map(|a| Counters::of(*a)).collect();
-    let mut turns = Vec::new();
-    let mut step = 0;
-    let mut k = 0;
-    while step < ops {
+    let turns = in_turns(apis.len(), ops.div_ceil(BATCH), |j, k| {
+        let step = k * BATCH;
         let n = BATCH.min(ops - step);
-        let mut t = vec![0.0; apis.len()];
-        for j in turn_order(apis.len(), k) {
-            t[j] = random_steps_from(apis[j], &w, &mut lives[j], step, n, pb)[0];
-        }
-        turns.push(t);
-        step += n;
-        k += 1;
-    }
+        random_steps_from(apis[j], &w, &mut lives[j], step, n, pb)[0]
+    });
     let rows = turn_rows(apis, "random_256_live", &turns, &before, ops, &warm);
     for (api, live) in apis.iter().zip(lives) {
         for h in live {
