@@ -639,6 +639,7 @@ def worker(workload, setting, steps, lockstep=False):
     # the last 10 steps apart: a planned layout's first steps (issue 33) map its region once
     late = max(warm, steps - 10)
     calls_at_late = None
+    before_late = {}
     torch.cuda.synchronize()
     turns = LockstepSteps(gen) if lockstep else None
     start = time.perf_counter()
@@ -656,10 +657,15 @@ def worker(workload, setting, steps, lockstep=False):
             import gpumem_torch
 
             calls_at_warm = gpumem_torch.memory_stats()
-        if len(times) == late and setting.startswith("gpumem"):
-            import gpumem_torch
+        if len(times) == late:
+            # the whole run's peaks so far, then peaks over the last steps alone (a planned
+            # layout gives back what its region does not use once it has served a cycle)
+            before_late = torch.cuda.memory_stats()
+            torch.cuda.reset_peak_memory_stats()
+            if setting.startswith("gpumem"):
+                import gpumem_torch
 
-            calls_at_late = gpumem_torch.memory_stats()
+                calls_at_late = gpumem_torch.memory_stats()
         if os.environ.get("BENCH_STEP_STATS") and setting.startswith("gpumem"):
             # one line per step: what the pool did so far (for following a run's policy)
             import gpumem_torch
@@ -681,6 +687,8 @@ def worker(workload, setting, steps, lockstep=False):
     else:
         stats = torch.cuda.memory_stats()
     warm = min(warm, len(times) - 1)
+    late_peaks = (stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0))
+    whole_peak = lambda k: max(stats.get(k, 0), before_late.get(k, 0))
     out = {
         "workload": workload,
         "setting": setting,
@@ -688,8 +696,10 @@ def worker(workload, setting, steps, lockstep=False):
         "total_ms": total,
         "steps": len(times),
         "times_ms": [round(x, 2) for x in times],
-        "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
-        "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
+        "peak_allocated": whole_peak("allocated_bytes.all.peak"),
+        "peak_reserved": whole_peak("reserved_bytes.all.peak"),
+        # peak reserved / peak allocated over the last steps (from `late` on)
+        "settled_ratio": late_peaks[1] / late_peaks[0] if before_late and late_peaks[0] else None,
         "losses": losses,
         "host_ms": host,
     }
@@ -793,10 +803,17 @@ def worker_cmd(workload, setting, steps, lockstep=False):
              "--steps", str(steps)] + (["--lockstep"] if lockstep else []))
 
 
+def fmt_ratio(x):
+    """A ratio to 3 places, or `-` where there is none."""
+    return "-" if x is None else f"{x:.3f}"
+
+
 def progress(res, tail):
-    """One finished worker's line on stderr: step time and peak reserved / allocated."""
+    """One finished worker's line on stderr: step time, peak reserved / allocated over the
+    run and over its last 10 steps."""
     print(f"  {res['workload']:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
-          f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f}  {tail}",
+          f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f} last-10 "
+          f"{fmt_ratio(res.get('settled_ratio'))}  {tail}",
           file=sys.stderr, flush=True)
 
 
@@ -1152,7 +1169,7 @@ def main():
                 continue
             progress(res, f"host {res.get('host_ms', 0):.1f} ms")
     print(f"{'workload':<8} {'setting':<11} {'step ms':>10} {'vs native':>9} {'host ms':>8} "
-          f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6}  losses"
+          f"{'peak alloc':>12} {'peak reserved':>14} {'ratio':>6} {'last-10':>7}  losses"
           + ("  (lockstep: vs native is the median of step-by-step ratios)" if a.lockstep else ""))
     for w in a.workloads.split(","):
         first = next((r for r in results if r["workload"] == w and r["setting"] == "native" and "error" not in r), None)
@@ -1181,7 +1198,8 @@ def main():
                          f"(declined {g.get('num_plans_declined', 0)})")
             print(f"{w:<8} {r['setting']:<11} {r['step_ms']:10.2f} {rel:9.3f} {r.get('host_ms', 0):8.1f} "
                   f"{r['peak_allocated'] / 2**30:10.2f} GiB {r['peak_reserved'] / 2**30:11.2f} GiB "
-                  f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f}  {same}{calls}")
+                  f"{r['peak_reserved'] / max(r['peak_allocated'], 1):6.3f} "
+                  f"{fmt_ratio(r.get('settled_ratio')):>7}  {same}{calls}")
     for w, by in pooled.items():
         for st, r in by.items():
             (med, lo, hi), (fast, flo, fhi) = r["median"], r["p10"]

@@ -505,8 +505,10 @@ fn pytorch_fixed_shape_gpt_as_benchmarked() {
 /// holes the step's activations left, and the plan fills the gaps between those blocks before
 /// it places the rest above them (the fixed blocks plus the step's peak of live bytes, 9.997
 /// GB; 10.52 GB around them block by block, which the plan declined, with page moves every
-/// step from then on). From the plan's first step on (the fourth or fifth of ten), no driver
-/// call, whether the GPU keeps up or runs 3000 calls behind.
+/// step from then on). From the plan's first step on (the fourth or fifth of ten), the only
+/// driver calls are those that give back, once, what its region does not use (see
+/// `a_planned_job_holds_what_its_plan_needs`), in the step after: none in the last four
+/// steps, whether the GPU keeps up or runs 3000 calls behind.
 #[test]
 fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
     use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};
@@ -526,9 +528,42 @@ fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
         let quiet_from = r.calls.iter().position(|&c| c == last).unwrap();
         println!("lag {lag:?}: the last driver call at event {quiet_from} of {n}");
         assert!(
-            quiet_from * 2 < n,
+            quiet_from * 10 < n * 6,
             "lag {lag:?}: calls until event {quiet_from} of {n}"
         );
+    }
+}
+
+/// The real traces of fixed-shape jobs, once their plans have served a cycle: the pages of
+/// the region that no slot uses (fragmentation left by the dynamic layout of the first
+/// steps, the plan's peak being the job's) go back, and what the job holds from then on is
+/// within 0.3% of what is live, where the whole run's peak stays where the first steps put
+/// it (ViT 1.0248, gptfix 1.0115: it was that from the plan's first step on before, 1.0224
+/// and 1.0063, and the same with the GPU 3000 calls behind, whose checkpoints complete too
+/// late for the handles to be split now). Measured over the last 30% of each trace (its last
+/// three steps of ten), the GPU in step with the host and 300 calls behind.
+#[test]
+fn a_planned_job_holds_what_its_plan_needs() {
+    use gpumem::trace::replay_simulated;
+    for (name, bound) in [
+        ("torch_vit_train.jsonl.gz", 1.003),
+        ("torch_gptfix_train.jsonl.gz", 1.001),
+        ("torch_gptenc_train.jsonl.gz", 1.002),
+    ] {
+        let events = read_trace(&data(name)).unwrap();
+        for lag in [None, Some(300)] {
+            let r = replay_simulated("m", &events, &Config::default(), TIB, lag).unwrap();
+            let t = &r.timeline;
+            let late = &t[t.len() * 7 / 10..];
+            let live = late.iter().map(|x| x.1).max().unwrap();
+            let reserved = late.iter().map(|x| x.2).max().unwrap();
+            let settled = reserved as f64 / live as f64;
+            println!(
+                "{name} lag {lag:?}: {settled:.4} over the last 30%, {:.4} over the run",
+                r.report.ratio
+            );
+            assert!(settled <= bound, "{name} lag {lag:?}: {settled:.4}");
+        }
     }
 }
 

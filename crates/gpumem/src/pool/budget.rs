@@ -137,6 +137,20 @@ impl MoveBudget {
         }
     }
 
+    /// Whether memory may be given back now (a plan's unused pages, `plan.rs`): paid from
+    /// growth's account, like a move for a demand met before (giving a page back costs about
+    /// what mapping it did), so that it takes at most what growth past the high-water mark
+    /// took, whatever the credit.
+    pub(super) fn may_give_back(&self) -> bool {
+        self.growth_spent_ns < self.growth_ns
+    }
+
+    /// Giving memory back took `ns` (see [`MoveBudget::may_give_back`]).
+    pub(super) fn charge_give_back(&mut self, ns: u64) {
+        self.spent_ns += ns;
+        self.growth_spent_ns += ns;
+    }
+
     /// Growth took `ns`, ending at `now` (the credit accrues from the job's first page call):
     /// growth that raised the high-water mark of reserved bytes (`new_high`) takes nothing
     /// from the credit and fills growth's account; growth below the mark (pages that moves
@@ -255,6 +269,27 @@ mod tests {
         // growth below the high-water mark (which a move may cause) refills nothing
         b.note_growth(t, 10 * ms, false);
         assert!(!b.may_move(t + 100_000 * ms, 100));
+    }
+
+    #[test]
+    fn memory_goes_back_only_as_long_as_growth_took() {
+        let ms = 1_000_000u64;
+        let mut b = MoveBudget::default();
+        assert!(!b.may_give_back(), "nothing grown, nothing to pay with");
+        b.note_growth(0, 5 * ms, true);
+        assert!(b.may_give_back());
+        b.charge_give_back(3 * ms);
+        assert!(b.may_give_back());
+        b.charge_give_back(3 * ms);
+        assert!(!b.may_give_back(), "growth's 5 ms spent (overshot by one)");
+        // the credit is left alone, and no stop
+        assert!(!b.stopped() && b.credit == 0.0);
+        assert_eq!(b.spent_ns, 6 * ms);
+        // growth below the mark refills nothing; past it, it does
+        b.note_growth(ms, 10 * ms, false);
+        assert!(!b.may_give_back());
+        b.note_growth(2 * ms, 2 * ms, true);
+        assert!(b.may_give_back());
     }
 
     #[test]

@@ -232,7 +232,7 @@ impl CachingPool {
 
     /// Record a checkpoint on `stream` covering every free so far (the caller knows the
     /// stream is alive and not capturing).
-    fn record_checkpoint(&mut self, stream: Stream) {
+    pub(super) fn record_checkpoint(&mut self, stream: Stream) {
         let tick = self.tick;
         if let Ok(ev) = self.backend.record_event(stream) {
             self.stats.num_checkpoints += 1;

@@ -51,6 +51,12 @@ const MAX_PLANS: usize = 4;
 /// events; then it is dissolved (a plan whose first events match another phase's would
 /// otherwise take its region at every step of that phase and leave it a few events later).
 const MAX_SHORT_STAYS: u32 = 3;
+/// Tries a plan makes at giving back the pages of its region that none of its slots uses, a
+/// cycle of its events apart (see `plan_settled`).
+const GIVE_BACK_TRIES: u32 = 3;
+/// Large events between looks at whether the checkpoint a plan giving back pages waits for
+/// has completed.
+const GIVE_BACK_POLL: u64 = 16;
 /// Starts at which a plan placed around the blocks in its way would take more than 1% past
 /// the high-water mark (`worth_planning`) before it is declined for good: the start right
 /// after a plan is made finds the job's layout as its first steps left it, the next one (a
@@ -832,14 +838,33 @@ pub(super) struct Plan {
     since: u64,
     /// times in a row it left its region before a whole cycle (see [`MAX_SHORT_STAYS`])
     short_stays: u32,
+    /// giving back the pages of its region that none of its slots uses (`plan_settled`)
+    give_back: GiveBack,
+    /// per slot, the detector's event count when it was last taken
+    taken_at: Vec<u64>,
     /// what its offsets were last placed around at its start (`plan_place_at_start`): the
     /// ranges of the blocks in the way and the blocks pinned where they are
     placed_around: Option<Around>,
 }
 
+/// Where a plan stands in giving back the pages of its region that none of its slots uses.
+#[derive(Debug, Default)]
+struct GiveBack {
+    /// tries left
+    tries: u32,
+    /// the detector's event count from which the next try may come
+    next_at: u64,
+    /// physical handles (first page, end) of the region that held only free blocks when the
+    /// checkpoint `tick` was recorded, at event `event`, with the slots whose pages they hold
+    waiting: Vec<(u64, u64, Vec<u32>)>,
+    tick: u64,
+    event: u64,
+}
+
 impl Plan {
     pub(super) fn new(layout: Layout) -> Self {
         let p = layout.prints.len();
+        let slots = layout.slots.len();
         let mut windows: FxHashMap<u64, u32> = FxHashMap::default();
         let mut twice = Vec::new();
         // (a plan of two periods: the first's positions stand for both)
@@ -865,6 +890,11 @@ impl Plan {
             declines: 0,
             since: 0,
             short_stays: 0,
+            give_back: GiveBack {
+                tries: GIVE_BACK_TRIES,
+                ..GiveBack::default()
+            },
+            taken_at: vec![0; slots],
             placed_around: None,
         }
     }
@@ -993,6 +1023,8 @@ impl CachingPool {
         debug_assert_eq!(bytes, size);
         let r = self.plan_carve(i, off, size);
         if r.is_some() {
+            let events = self.plans.repeats.events();
+            self.plans.plans[i].taken_at[slot as usize] = events;
             self.stats.num_plan_allocs += 1;
         } else {
             self.stats.num_plan_misses += 1;
@@ -1031,10 +1063,17 @@ impl CachingPool {
             self.plans.born.resize(idx + 1, NONE);
         }
         let live = self.stats.allocated_large();
-        let idle = self.plans.current.is_some_and(|i| {
+        let (idle, settled) = self.plans.current.map_or((false, false), |i| {
             let p = &self.plans.plans[i];
-            p.seg != NIL && self.plans.repeats.events() >= p.since + p.layout.prints.len() as u64
+            let (events, cycle) = (self.plans.repeats.events(), p.layout.prints.len() as u64);
+            let idle = p.seg != NIL && events >= p.since + cycle;
+            let g = &p.give_back;
+            let due = events >= g.next_at.max(p.since + cycle) || !g.waiting.is_empty();
+            (idle, idle && g.tries > 0 && due)
         });
+        if settled && self.plans.plans.len() == 1 {
+            self.plan_settled();
+        }
         if free {
             let born = std::mem::replace(&mut self.plans.born[idx], NONE);
             // a free whose allocation the detector never saw still counts as a free
@@ -1062,6 +1101,207 @@ impl CachingPool {
                 .is_some_and(|i| u64::from(self.plans.plans[i].layout.half) == period);
             if !followed && self.plans.planning.is_none() {
                 self.plan_start();
+            }
+        }
+    }
+
+    /// The current plan, the only one, has served a whole cycle of the job in its region:
+    /// the region's pages that none of its slots uses go back. They were mapped by the
+    /// dynamic layout before the plan took the segment (its fragmentation in the job's first
+    /// steps), or with a slot's pages in one physical handle. Handles with no slot's page go
+    /// at once, in the stream's order (`plan_trim`). A handle with some is unmapped whole
+    /// and its slots' pages mapped again on their own (`plan_split`), once the GPU is known
+    /// done with it: it held only free blocks when a checkpoint was recorded here, that
+    /// checkpoint has completed since, and none of its slots has been taken in between (all
+    /// the work on it was queued before the checkpoint). Handles whose slots are taken first
+    /// wait for the next try, a cycle later (at most [`GIVE_BACK_TRIES`]). The high-water mark of reserved
+    /// bytes comes down to what is left: what went back is not mapped again without need,
+    /// and a job that repeats holds what its plan needs, not the peak its first steps
+    /// reached. Paid from growth's account of the time budget (`budget.rs`: at most what
+    /// growth past the high-water mark took); while that is spent, the try waits a cycle. A
+    /// job with several plans (phases, lengths) keeps its pages: another phase maps what
+    /// this one would give back.
+    #[cold]
+    fn plan_settled(&mut self) {
+        let Some(i) = self.plans.current else {
+            return;
+        };
+        let events = self.plans.repeats.events();
+        let (stream, cycle) = {
+            let p = &self.plans.plans[i];
+            (p.layout.stream, p.layout.prints.len() as u64)
+        };
+        if !self.plans.plans[i].give_back.waiting.is_empty() {
+            self.plan_split_waiting(i, events);
+            return;
+        }
+        self.plans.plans[i].give_back.next_at = events + cycle;
+        if !self.budget.may_give_back() {
+            return;
+        }
+        let Ok(started) = self.vmm().map(|v| v.now_ns()) else {
+            return;
+        };
+        let before = self.stats.reserved();
+        if self.plans.plans[i].give_back.tries == GIVE_BACK_TRIES {
+            self.plan_trim(i, u64::MAX);
+        }
+        let units = self.plan_split_candidates(i);
+        let g = &mut self.plans.plans[i].give_back;
+        g.tries -= 1;
+        if units.is_empty() {
+            g.tries = 0;
+        } else if self.may_record_on(stream) {
+            self.record_checkpoint(stream);
+            let tick = self.tick;
+            let g = &mut self.plans.plans[i].give_back;
+            (g.waiting, g.tick, g.event) = (units, tick, events);
+        }
+        self.gave_back(started, before);
+    }
+
+    /// Giving back pages began at `started` (the backend's clock) with `before` bytes
+    /// reserved: the high-water mark comes down to what is left, and the time is paid.
+    fn gave_back(&mut self, started: u64, before: u64) {
+        if self.stats.reserved() < before {
+            self.high_water = self.high_water.min(self.stats.reserved());
+        }
+        if let Ok(v) = self.vmm() {
+            let took = v.now_ns().saturating_sub(started);
+            self.stats.page_map_ns += took;
+            self.budget.charge_give_back(took);
+        }
+    }
+
+    /// While plan `i` waits for its checkpoint (see `plan_settled`), at the detector's event
+    /// `events`: handles one of whose slots was taken since are left for a later try; once
+    /// the checkpoint is known complete (looked at every [`GIVE_BACK_POLL`] events), the rest
+    /// are split.
+    fn plan_split_waiting(&mut self, i: usize, events: u64) {
+        let g = &mut self.plans.plans[i].give_back;
+        let since = g.event;
+        if events.saturating_sub(since) % GIVE_BACK_POLL != 0 {
+            return;
+        }
+        let p = &mut self.plans.plans[i];
+        let mut waiting = std::mem::take(&mut p.give_back.waiting);
+        waiting.retain(|(_, _, slots)| slots.iter().all(|&k| p.taken_at[k as usize] < since));
+        let (stream, tick) = {
+            let p = &self.plans.plans[i];
+            (p.layout.stream, p.give_back.tick)
+        };
+        if waiting.is_empty() || self.safe_tick(stream) < tick {
+            self.plans.plans[i].give_back.waiting = waiting;
+            return;
+        }
+        let Ok(started) = self.vmm().map(|v| v.now_ns()) else {
+            return;
+        };
+        let before = self.stats.reserved();
+        self.plan_split(i, waiting);
+        self.gave_back(started, before);
+    }
+
+    /// The physical handles of plan `i`'s region that hold pages none of its slots uses
+    /// beside pages some slot uses, with only free blocks on them now, each with the slots
+    /// whose pages it holds. (A handle is unmapped whole or not at all.)
+    fn plan_split_candidates(&self, i: usize) -> Vec<(u64, u64, Vec<u32>)> {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let p = &self.plans.plans[i];
+        let seg = p.seg;
+        if seg == NIL || !self.lent.is_empty() || !self.foreign.is_empty() {
+            return Vec::new();
+        }
+        let (base, n) = {
+            let s = &self.segments[seg as usize];
+            (s.addr, s.size / page)
+        };
+        let Ok(vmm) = self.vmm() else {
+            return Vec::new();
+        };
+        let Some(pages) = self.segments[seg as usize].pages.as_deref() else {
+            return Vec::new();
+        };
+        // per page, the slots that use it; and whether a block not free lies on it now
+        let mut users: Vec<Vec<u32>> = vec![Vec::new(); n as usize];
+        for (k, &(off, size)) in p.layout.slots.iter().enumerate() {
+            let (a, b) = page_span(off, size, page);
+            for u in &mut users[a as usize..(b as usize).min(n as usize)] {
+                u.push(k as u32);
+            }
+        }
+        let mut busy = vec![false; n as usize];
+        let mut id = self.segments[seg as usize].head;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            if b.state != State::Free {
+                let (a, e) = page_span(b.addr - base, b.size, page);
+                busy[a as usize..e as usize].fill(true);
+            }
+            id = b.next;
+        }
+        let mut units = Vec::new();
+        let mut q = pages.next_with(0, n, true);
+        while q < n {
+            let (u0, u1) = match vmm.unit_at(base + q * page) {
+                Some((a, b)) if a >= base && a + b <= base + n * page => {
+                    ((a - base) / page, (a + b - base) / page)
+                }
+                _ => (q, q + 1),
+            };
+            let span = u0 as usize..u1 as usize;
+            if pages.next_with(u0, u1, false) >= u1
+                && !busy[span.clone()].iter().any(|&b| b)
+                && users[span.clone()].iter().any(|u| !u.is_empty())
+                && users[span.clone()].iter().any(|u| u.is_empty())
+            {
+                let mut slots: Vec<u32> = users[span].iter().flatten().copied().collect();
+                slots.sort_unstable();
+                slots.dedup();
+                units.push((u0, u1, slots));
+            }
+            q = pages.next_with(u1.max(q + 1), n, true);
+        }
+        units
+    }
+
+    /// Split the handles `units` of plan `i`'s region (see `plan_split_candidates`), which the
+    /// GPU is done with (see `plan_split_waiting`): each is unmapped and the pages its slots
+    /// use are mapped again, in runs, so that the rest stays unmapped.
+    fn plan_split(&mut self, i: usize, units: Vec<(u64, u64, Vec<u32>)>) {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let (seg, stream) = (self.plans.plans[i].seg, self.plans.plans[i].layout.stream);
+        if seg == NIL {
+            return;
+        }
+        let base = self.segments[seg as usize].addr;
+        for (u0, u1, slots) in units {
+            let p = &self.plans.plans[i];
+            let mut used = vec![false; (u1 - u0) as usize];
+            for &k in &slots {
+                let (off, size) = p.layout.slots[k as usize];
+                let (a, b) = page_span(off, size, page);
+                used[(a.max(u0) - u0) as usize..(b.min(u1) - u0) as usize].fill(true);
+            }
+            if self.unmap_runs(seg, vec![(u0, u1 - u0)]) == 0 {
+                continue;
+            }
+            let mut k = 0;
+            while k < used.len() {
+                if !used[k] {
+                    k += 1;
+                    continue;
+                }
+                let end = (k..used.len()).find(|&j| !used[j]).unwrap_or(used.len());
+                let (first, n) = (u0 + k as u64, (end - k) as u64);
+                let r = self
+                    .vmm()
+                    .and_then(|v| v.map_on(base + first * page, n * page, stream));
+                if r.is_ok() {
+                    self.note_mapped(seg, first, n, true);
+                }
+                // (a page left unmapped is mapped when its slot is next taken: `plan_map`)
+                k = end;
             }
         }
     }
@@ -1706,6 +1946,8 @@ impl CachingPool {
         let p = &mut self.plans.plans[i];
         let seg = std::mem::replace(&mut p.seg, NIL);
         p.cover = Cover::default();
+        // (handles waiting to be split are the region's: it goes back to the dynamic pool)
+        p.give_back.waiting.clear();
         if seg == NIL {
             return;
         }
