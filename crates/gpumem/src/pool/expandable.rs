@@ -169,7 +169,7 @@ impl CachingPool {
     /// Whether bytes `[from, from + size)` of block `id` are all mapped.
     pub(super) fn mapped_within(&self, id: u32, from: u64, size: u64) -> bool {
         self.pages_within(id, from, size)
-            .is_none_or(|(pages, p0, p1)| pages.next_with(p0, p1, false) >= p1)
+            .is_none_or(|(pages, p0, p1)| pages.all_mapped(p0, p1))
     }
 
     /// The smallest free block among the few smallest that fit `size` whose first `size`
@@ -234,7 +234,7 @@ impl CachingPool {
         let base = self.segments[seg as usize].addr;
         let runs = match self.pages_under(id, size) {
             // the common case, all mapped, costs one bitmap scan and no allocation
-            Some((pages, p0, p1)) if pages.next_with(p0, p1, false) >= p1 => return Ok(0),
+            Some((pages, p0, p1)) if pages.all_mapped(p0, p1) => return Ok(0),
             Some((pages, p0, p1)) => pages.runs(p0, p1, false),
             None => return Ok(0),
         };
@@ -868,6 +868,13 @@ impl Pages {
     /// Mark pages `[from, to)` as freed at `tick` (`newest`: the pool's tick now).
     pub(super) fn mark_freed(&mut self, from: u64, to: u64, tick: u64, newest: bool) {
         mark_ticks(&mut self.freed, self.high, from, to, tick, newest);
+    }
+
+    /// Whether the pages `[from, to)` are all mapped: at once where no page below `high` is
+    /// unmapped (every mapped page lies below it), the common case.
+    #[inline]
+    pub(super) fn all_mapped(&self, from: u64, to: u64) -> bool {
+        (to <= self.high && self.mapped == self.high) || self.next_with(from, to, false) >= to
     }
 
     /// Runs `(first, count)` of pages in `[from, to)` that are mapped (`want`) or not.

@@ -86,6 +86,7 @@ impl CachingPool {
     /// Block `id`, taken by `stream` (from its own free set, or `borrowed` from another
     /// stream's with the owner's free tick), is about to be handed out: order `stream` after
     /// every other stream that used it last, and note a lent block.
+    #[inline]
     pub(super) fn settle_taken(
         &mut self,
         id: u32,

@@ -1152,6 +1152,10 @@ impl CachingPool {
         if units.is_empty() {
             g.tries = 0;
         } else if self.may_record_on(stream) {
+            // (a tick of its own: no checkpoint recorded before covers it, so the work queued
+            // before now, which a planned block's free does not tick, is known done only when
+            // this one has completed)
+            self.tick += 1;
             self.record_checkpoint(stream);
             let tick = self.tick;
             let g = &mut self.plans.plans[i].give_back;
@@ -1747,7 +1751,7 @@ impl CachingPool {
                 .pages
                 .as_deref()
                 .expect("a planned region has pages");
-            if pages.next_with(lo, hi, false) >= hi {
+            if pages.all_mapped(lo, hi) {
                 return Ok(());
             }
             // (within the pages the plan uses: its layout's extent)
