@@ -212,7 +212,19 @@ impl CachingPool {
     /// A free the pool makes on its own later (a block flushed from the quick cache, or whose
     /// events completed) records nothing on a stream with no block handed out: the stream may
     /// be gone by then.
+    #[inline]
     pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
+        // the common case at once: a stream alone, whose checkpoint is outstanding, records
+        // none (see below: `gave_back_last_of` needs several streams)
+        if self.streams.len() < 2
+            && matches!(self.checkpoints.as_slice(), [c] if c.stream == stream && !c.outstanding.is_empty())
+        {
+            return;
+        }
+        self.checkpoint_on_free_slow(stream);
+    }
+
+    fn checkpoint_on_free_slow(&mut self, stream: Stream) {
         let handed_out = self.handed_out_on(stream);
         if handed_out == 0 && self.freeing != Some(stream) {
             // a free the pool makes later (a block flushed from the quick cache, or whose

@@ -102,6 +102,17 @@ impl CachingPool {
             },
         };
         self.split(id, size);
+        self.take_expandable(id, stream, borrowed)
+    }
+
+    /// Taken block `id` (split to its size; `borrowed` from another stream's segment with
+    /// that stream and its free tick) is handed out on `stream` once its pages are mapped.
+    pub(super) fn take_expandable(
+        &mut self,
+        id: u32,
+        stream: Stream,
+        borrowed: Option<(Stream, u64)>,
+    ) -> Result<u32> {
         match self.ensure_mapped(id, stream) {
             Ok(0) => {
                 self.stats.cache_hits += 1;
@@ -147,11 +158,13 @@ impl CachingPool {
 
     /// The pages of block `id`'s expandable segment and the range `[p0, p1)` of them that its
     /// first `size` bytes touch (`None` for a classic segment).
+    #[inline]
     pub(super) fn pages_under(&self, id: u32, size: u64) -> Option<(&Pages, u64, u64)> {
         self.pages_within(id, 0, size)
     }
 
     /// [`CachingPool::pages_under`] for the bytes `[from, from + size)` of block `id`.
+    #[inline]
     pub(super) fn pages_within(&self, id: u32, from: u64, size: u64) -> Option<(&Pages, u64, u64)> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let b = &self.blocks[id as usize];
@@ -162,11 +175,13 @@ impl CachingPool {
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.
+    #[inline]
     pub(super) fn mapped_under(&self, id: u32, size: u64) -> bool {
         self.mapped_within(id, 0, size)
     }
 
     /// Whether bytes `[from, from + size)` of block `id` are all mapped.
+    #[inline]
     pub(super) fn mapped_within(&self, id: u32, from: u64, size: u64) -> bool {
         self.pages_within(id, from, size)
             .is_none_or(|(pages, p0, p1)| pages.all_mapped(p0, p1))

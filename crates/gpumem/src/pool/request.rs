@@ -151,29 +151,16 @@ impl CachingPool {
 
     pub(super) fn find_or_grow(&mut self, stream: Stream, size: u64) -> Result<u32> {
         let kind = Self::kind_of(size);
+        if self.policy.page.is_some() {
+            return self.find_or_grow_expandable(stream, size, kind);
+        }
         let id = match self.best_fit(stream, size, kind) {
-            // expandable: a block that would need pages mapped while freed blocks wait in the
-            // quick cache, unmerged: merge them first (left there, they fragment the segment
-            // and its mapped pages)
-            Some(id)
-                if self.policy.page.is_some()
-                    && !self.quick.is_empty()
-                    && !self.mapped_under(id, size) =>
-            {
-                self.enter_free(id);
-                self.flush_quick();
-                self.best_fit(stream, size, kind)
-            }
-            Some(id) => Some(id),
             None if !self.quick.is_empty() => {
                 self.flush_quick();
                 self.best_fit(stream, size, kind)
             }
-            None => None,
+            id => id,
         };
-        if self.policy.page.is_some() {
-            return self.place_expandable(id, stream, size, kind);
-        }
         let id = match id.or_else(|| self.steal(stream, size, kind)) {
             Some(id) => {
                 self.stats.cache_hits += 1;
@@ -186,6 +173,45 @@ impl CachingPool {
         };
         self.split(id, size);
         Ok(id)
+    }
+
+    /// [`CachingPool::find_or_grow`] with expandable segments. The best fit whose pages are
+    /// all mapped, the common case, is taken as it is: no page work, and nothing to borrow
+    /// instead (no page would move); else `place_expandable`.
+    fn find_or_grow_expandable(
+        &mut self,
+        stream: Stream,
+        size: u64,
+        kind: PoolKind,
+    ) -> Result<u32> {
+        let mut id = self.best_fit(stream, size, kind);
+        let mut mapped = id.is_some_and(|id| self.mapped_under(id, size));
+        if !mapped && !self.quick.is_empty() {
+            // a block that would need pages mapped (or none) while freed blocks wait in the
+            // quick cache, unmerged: merge them first (left there, they fragment the segment
+            // and its mapped pages)
+            if let Some(id) = id {
+                self.enter_free(id);
+            }
+            self.flush_quick();
+            id = self.best_fit(stream, size, kind);
+            mapped = id.is_some_and(|id| self.mapped_under(id, size));
+        }
+        match id {
+            Some(id) if mapped => {
+                self.split(id, size);
+                if self.blocks[id as usize].size == size {
+                    self.stats.cache_hits += 1;
+                    if !self.foreign.is_empty() {
+                        self.settle_taken(id, stream, None);
+                    }
+                    return Ok(id);
+                }
+                // (not split: the rest of the block may need pages)
+                self.take_expandable(id, stream, None)
+            }
+            id => self.place_expandable(id, stream, size, kind),
+        }
     }
 
     /// Return the block at `addr` (allocated with `track_address`) to the pool, ordered on its
