@@ -1739,7 +1739,6 @@ impl CachingPool {
     fn plan_map(&mut self, i: usize, id: u32) -> Result<()> {
         const GRID: u64 = 32;
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let extent = self.plans.plans[i].layout.region / page;
         let (seg, stream, lo, hi) = {
             let b = &self.blocks[id as usize];
             let s = &self.segments[b.segment as usize];
@@ -1755,6 +1754,7 @@ impl CachingPool {
                 return Ok(());
             }
             // (within the pages the plan uses: its layout's extent)
+            let extent = self.plans.plans[i].layout.region / page;
             let (glo, ghi) = (lo / GRID * GRID, hi.div_ceil(GRID) * GRID);
             let end = (self.segments[seg as usize].size / page).min(extent.max(hi));
             pages.runs(glo, ghi.min(end), false)
