@@ -216,9 +216,8 @@ impl CachingPool {
     pub(super) fn checkpoint_on_free(&mut self, stream: Stream) {
         // the common case at once: a stream alone, whose checkpoint is outstanding, records
         // none (see below: `gave_back_last_of` needs several streams)
-        if self.streams.len() < 2
-            && matches!(self.checkpoints.as_slice(), [c] if c.stream == stream && !c.outstanding.is_empty())
-        {
+        let alone = |c: &StreamCheckpoints| c.stream == stream && !c.outstanding.is_empty();
+        if self.streams.len() < 2 && matches!(self.checkpoints.as_slice(), [c] if alone(c)) {
             return;
         }
         self.checkpoint_on_free_slow(stream);

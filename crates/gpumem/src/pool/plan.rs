@@ -1114,13 +1114,13 @@ impl CachingPool {
     /// done with it: it held only free blocks when a checkpoint was recorded here, that
     /// checkpoint has completed since, and none of its slots has been taken in between (all
     /// the work on it was queued before the checkpoint). Handles whose slots are taken first
-    /// wait for the next try, a cycle later (at most [`GIVE_BACK_TRIES`]). The high-water mark of reserved
-    /// bytes comes down to what is left: what went back is not mapped again without need,
-    /// and a job that repeats holds what its plan needs, not the peak its first steps
-    /// reached. Paid from growth's account of the time budget (`budget.rs`: at most what
-    /// growth past the high-water mark took); while that is spent, the try waits a cycle. A
-    /// job with several plans (phases, lengths) keeps its pages: another phase maps what
-    /// this one would give back.
+    /// wait for the next try, a cycle later (at most [`GIVE_BACK_TRIES`]). The high-water
+    /// mark of reserved bytes comes down to what is left: what went back is not mapped again
+    /// without need, and a job that repeats holds what its plan needs, not the peak its
+    /// first steps reached. Paid from growth's account of the time budget (`budget.rs`: at
+    /// most what growth past the high-water mark took); while that is spent, the try waits
+    /// a cycle. A job with several plans (phases, lengths) keeps its pages: another phase
+    /// maps what this one would give back.
     #[cold]
     fn plan_settled(&mut self) {
         let Some(i) = self.plans.current else {
