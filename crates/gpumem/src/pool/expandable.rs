@@ -164,7 +164,7 @@ impl CachingPool {
     }
 
     /// [`CachingPool::pages_under`] for the bytes `[from, from + size)` of block `id`.
-    #[inline]
+    #[inline(always)]
     pub(super) fn pages_within(&self, id: u32, from: u64, size: u64) -> Option<(&Pages, u64, u64)> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let b = &self.blocks[id as usize];
@@ -175,13 +175,13 @@ impl CachingPool {
     }
 
     /// Whether the first `size` bytes of block `id` are all mapped.
-    #[inline]
+    #[inline(always)]
     pub(super) fn mapped_under(&self, id: u32, size: u64) -> bool {
         self.mapped_within(id, 0, size)
     }
 
     /// Whether bytes `[from, from + size)` of block `id` are all mapped.
-    #[inline]
+    #[inline(always)]
     pub(super) fn mapped_within(&self, id: u32, from: u64, size: u64) -> bool {
         self.pages_within(id, from, size)
             .is_none_or(|(pages, p0, p1)| pages.all_mapped(p0, p1))

@@ -1065,11 +1065,14 @@ impl CachingPool {
         let live = self.stats.allocated_large();
         let (idle, settled) = self.plans.current.map_or((false, false), |i| {
             let p = &self.plans.plans[i];
-            let (events, cycle) = (self.plans.repeats.events(), p.layout.prints.len() as u64);
-            let idle = p.seg != NIL && events >= p.since + cycle;
+            let events = self.plans.repeats.events();
+            let idle = p.seg != NIL && events >= p.since + p.layout.prints.len() as u64;
+            // (a try at giving back pages is due: see `plan_settled`)
             let g = &p.give_back;
-            let due = events >= g.next_at.max(p.since + cycle) || !g.waiting.is_empty();
-            (idle, idle && g.tries > 0 && due)
+            (
+                idle,
+                idle && g.tries > 0 && (events >= g.next_at || !g.waiting.is_empty()),
+            )
         });
         if settled && self.plans.plans.len() == 1 {
             self.plan_settled();
