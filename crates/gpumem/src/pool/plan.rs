@@ -982,7 +982,13 @@ impl Plans {
     /// made that have not yet taken their region (at the start of their period), unless
     /// declined.
     pub(super) fn pending(&self) -> u64 {
+        // (a plan holding its region, the only one, that has pages to give back still)
+        let giving_back = self.current.is_some_and(|i| {
+            let (p, g) = (&self.plans[i], &self.plans[i].give_back);
+            self.plans.len() == 1 && p.seg != NIL && (g.tries > 0 || !g.waiting.is_empty())
+        });
         u64::from(self.planning.is_some())
+            + u64::from(giving_back)
             + self
                 .plans
                 .iter()
@@ -1069,10 +1075,8 @@ impl CachingPool {
             let idle = p.seg != NIL && events >= p.since + p.layout.prints.len() as u64;
             // (a try at giving back pages is due: see `plan_settled`)
             let g = &p.give_back;
-            (
-                idle,
-                idle && g.tries > 0 && (events >= g.next_at || !g.waiting.is_empty()),
-            )
+            let due = (g.tries > 0 && events >= g.next_at) || !g.waiting.is_empty();
+            (idle, idle && due)
         });
         if settled && self.plans.plans.len() == 1 {
             self.plan_settled();
@@ -1138,8 +1142,11 @@ impl CachingPool {
             self.plan_split_waiting(i, events);
             return;
         }
-        self.plans.plans[i].give_back.next_at = events + cycle;
+        let g = &mut self.plans.plans[i].give_back;
+        g.next_at = events + cycle;
         if !self.budget.may_give_back() {
+            // (a try all the same: the tries stay bounded)
+            g.tries -= 1;
             return;
         }
         let Ok(started) = self.vmm().map(|v| v.now_ns()) else {

@@ -164,8 +164,9 @@ pub struct Stats {
     /// bytes of the planned regions mapped now (part of the reserved bytes)
     pub plan_reserved_bytes: u64,
     /// plans on their way: layouts being computed off the allocating thread (one a pool at a
-    /// time), and plans made that have not yet taken their region, which they take at the
-    /// start of their period
+    /// time), plans made that have not yet taken their region, which they take at the
+    /// start of their period, and a plan that has yet to give back the pages of its region
+    /// that none of its slots uses (a cycle or a few after it took it)
     pub plans_pending: u64,
     /// virtual-memory driver calls on the allocating threads (the backend's count, filled in
     /// by the allocator)
