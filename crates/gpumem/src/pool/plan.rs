@@ -1153,9 +1153,9 @@ impl CachingPool {
             return;
         };
         let before = self.stats.reserved();
-        if self.plans.plans[i].give_back.tries == GIVE_BACK_TRIES {
-            self.plan_trim(i, u64::MAX);
-        }
+        // (a handle that holds no slot's page: none is left after the first try that had
+        // budget)
+        self.plan_trim(i, u64::MAX);
         let units = self.plan_split_candidates(i);
         let g = &mut self.plans.plans[i].give_back;
         g.tries -= 1;
