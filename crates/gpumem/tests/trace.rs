@@ -544,27 +544,28 @@ fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
 /// three steps of ten), the GPU in step with the host and 300 calls behind.
 #[test]
 fn a_planned_job_holds_what_its_plan_needs() {
-    use gpumem::trace::replay_simulated;
     for (name, bound) in [
         ("torch_vit_train.jsonl.gz", 1.003),
         ("torch_gptfix_train.jsonl.gz", 1.001),
         ("torch_gptenc_train.jsonl.gz", 1.002),
     ] {
-        let events = read_trace(&data(name)).unwrap();
         for lag in [None, Some(300)] {
-            let r = replay_simulated("m", &events, &Config::default(), TIB, lag).unwrap();
-            let t = &r.timeline;
-            let late = &t[t.len() * 7 / 10..];
-            let live = late.iter().map(|x| x.1).max().unwrap();
-            let reserved = late.iter().map(|x| x.2).max().unwrap();
-            let settled = reserved as f64 / live as f64;
-            println!(
-                "{name} lag {lag:?}: {settled:.4} over the last 30%, {:.4} over the run",
-                r.report.ratio
-            );
+            let (settled, run) = settled_ratio(name, lag);
+            println!("{name} lag {lag:?}: {settled:.4} over the last 30%, {run:.4} over the run");
             assert!(settled <= bound, "{name} lag {lag:?}: {settled:.4}");
         }
     }
+}
+
+/// Trace `name` replayed with the GPU `lag` calls behind: peak reserved over peak live over
+/// its last 30% (a plan's settled state), and over the whole run.
+fn settled_ratio(name: &str, lag: Option<u64>) -> (f64, f64) {
+    let events = read_trace(&data(name)).unwrap();
+    let r = gpumem::trace::replay_simulated("m", &events, &Config::default(), TIB, lag).unwrap();
+    let late = &r.timeline[r.timeline.len() * 7 / 10..];
+    let live = late.iter().map(|x| x.1).max().unwrap();
+    let reserved = late.iter().map(|x| x.2).max().unwrap();
+    (reserved as f64 / live as f64, r.report.ratio)
 }
 
 /// A handle of a plan's region is split (unmapped whole, its slots' pages mapped again) only
@@ -573,16 +574,11 @@ fn a_planned_job_holds_what_its_plan_needs() {
 /// back, in stream order (ViT 1.0129 over the last 30% where a GPU in step gives 1.0029).
 #[test]
 fn a_plan_splits_a_handle_only_once_the_gpu_is_done_with_it() {
-    use gpumem::trace::replay_simulated;
-    let settled = |name: &str, lag| {
-        let events = read_trace(&data(name)).unwrap();
-        let r = replay_simulated("m", &events, &Config::default(), TIB, lag).unwrap();
-        let late = &r.timeline[r.timeline.len() * 7 / 10..];
-        let live = late.iter().map(|x| x.1).max().unwrap();
-        late.iter().map(|x| x.2).max().unwrap() as f64 / live as f64
-    };
     for name in ["torch_vit_train.jsonl.gz", "torch_gptfix_train.jsonl.gz"] {
-        let (done, never) = (settled(name, None), settled(name, Some(u64::MAX)));
+        let (done, never) = (
+            settled_ratio(name, None).0,
+            settled_ratio(name, Some(u64::MAX)).0,
+        );
         println!("{name}: {done:.4} with the GPU in step, {never:.4} with it never done");
         assert!(done < never - 0.005, "{name}: {done:.4} against {never:.4}");
     }
