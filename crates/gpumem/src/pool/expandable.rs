@@ -603,7 +603,7 @@ impl CachingPool {
     /// The free bytes of `seg`, `(addr, bytes)` in address order: its free blocks, less the
     /// bytes of lent blocks given back whose stream is not done with them and `mover` is not
     /// ordered after (see `lending.rs`).
-    fn free_parts(&self, seg: u32, mover: Option<Stream>) -> Vec<(u64, u64)> {
+    pub(super) fn free_parts(&self, seg: u32, mover: Option<Stream>) -> Vec<(u64, u64)> {
         let s = &self.segments[seg as usize];
         let mut free = Vec::new();
         let mut id = s.head;

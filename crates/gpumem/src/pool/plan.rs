@@ -1236,7 +1236,7 @@ impl CachingPool {
         let Some(pages) = self.segments[seg as usize].pages.as_deref() else {
             return Vec::new();
         };
-        // per page, the slots that use it; and whether a block not free lies on it now
+        // per page, the slots that use it
         let mut users: Vec<Vec<u32>> = vec![Vec::new(); n as usize];
         for (k, &(off, size)) in p.layout.slots.iter().enumerate() {
             let (a, b) = page_span(off, size, page);
@@ -1244,16 +1244,13 @@ impl CachingPool {
                 u.push(k as u32);
             }
         }
-        let mut busy = vec![false; n as usize];
-        let mut id = self.segments[seg as usize].head;
-        while id != NIL {
-            let b = &self.blocks[id as usize];
-            if b.state != State::Free {
-                let (a, e) = page_span(b.addr - base, b.size, page);
-                busy[a as usize..e as usize].fill(true);
-            }
-            id = b.next;
-        }
+        // whether pages `[a, b)` lie in free blocks only (one run of them, in address order)
+        let free = self.free_parts(seg, None);
+        let all_free = |a: u64, b: u64| {
+            let (a, b) = (base + a * page, base + b * page);
+            let k = free.partition_point(|f| f.0 + f.1 <= a);
+            k < free.len() && free[k].0 <= a && free[k].0 + free[k].1 >= b
+        };
         let mut units = Vec::new();
         let mut q = pages.next_with(0, n, true);
         while q < n {
@@ -1265,7 +1262,7 @@ impl CachingPool {
             };
             let span = u0 as usize..u1 as usize;
             if pages.next_with(u0, u1, false) >= u1
-                && !busy[span.clone()].iter().any(|&b| b)
+                && all_free(u0, u1)
                 && users[span.clone()].iter().any(|u| !u.is_empty())
                 && users[span.clone()].iter().any(|u| u.is_empty())
             {
