@@ -509,7 +509,15 @@ impl CachingPool {
                     Some(_) if own => {
                         // its own pages, in runs of a few pages at least: the old addresses
                         // stay unusable until the stream's work passes them, which for small
-                        // runs scattered among live blocks costs more than it saves
+                        // runs scattered among live blocks costs more than it saves. (The
+                        // runs are cut to `want` before the short ones are left out, so a
+                        // move may get nothing while longer runs lie lower in the segment.
+                        // Looking past the short runs instead took resres from 1.011 to
+                        // 1.008 and serve from 1.046 to 1.033, the other real traces
+                        // unchanged, but the conv family's dynamic pool then moved pages
+                        // on every step: 2 and 4 driver calls in step 9 in 4 of its 30
+                        // draws, where `periodic_jobs_driver_calls_per_step_in_steady_state`
+                        // wants none. Measured 2026-11-27.)
                         self.order_for_foreign(seg, owner);
                         let runs: Vec<(u64, u64)> = self
                             .free_mapped_runs(seg, want - got, u64::MAX, Some(owner))
