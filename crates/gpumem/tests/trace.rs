@@ -712,3 +712,35 @@ fn advice_within_the_time_budget_reserves_no_more_than_the_default() {
         );
     }
 }
+
+/// The report says why a peak was not held down: free pages that no move could take. A block
+/// of 2 MiB taken from a freed block of 64 MiB (one physical handle) leaves the other 62 MiB
+/// of that handle stranded, and the next allocation grows the pool past them.
+#[test]
+fn the_report_counts_free_pages_no_move_can_take_at_the_peak() {
+    const MIB: u64 = 1 << 20;
+    let ev = |t: u64, action: &str, addr: u64, size: u64| {
+        format!(
+            "{{\"action\": \"{action}\", \"addr\": {addr}, \"size\": {size}, \"time_us\": {t}}}\n"
+        )
+    };
+    let text = [
+        ev(1, "alloc", 0x1000, 64 * MIB),
+        ev(2, "alloc", 0x2000, 64 * MIB),
+        ev(3, "free_completed", 0x1000, 64 * MIB),
+        ev(4, "alloc", 0x3000, 2 * MIB),
+        ev(5, "alloc", 0x4000, 100 * MIB),
+        ev(6, "free_completed", 0x4000, 100 * MIB),
+    ]
+    .concat();
+    let events = parse_trace("t", text.as_bytes()).unwrap();
+    let r = replay("t", &events, &Config::default(), TIB).unwrap();
+    assert_eq!(
+        (r.movable_at_peak, r.stranded_at_peak),
+        (0, 62 * MIB),
+        "{r:?}"
+    );
+    let classic = Config::parse("expandable_segments:False").unwrap();
+    let r = replay("t", &events, &classic, TIB).unwrap();
+    assert_eq!((r.movable_at_peak, r.stranded_at_peak), (0, 0));
+}

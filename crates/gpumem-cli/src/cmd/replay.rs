@@ -216,4 +216,17 @@ fn print(out: &ReplayOut) {
                 .map_or("n/a".to_string(), |s| format!("{:.2}%", s * 100.0))
         );
     }
+    // (pages: the free memory a move could take at the peak, and what it could not)
+    for p in &out.policies {
+        if p.movable_at_peak + p.stranded_at_peak > 0 {
+            println!(
+                "  {}: at the reserved peak, {} free in mapped whole pages, {} of them in \
+                 physical handles that blocks in use also cover (no move can take those: an \
+                 unmap covers whole handles)",
+                p.name,
+                human(p.movable_at_peak + p.stranded_at_peak),
+                human(p.stranded_at_peak)
+            );
+        }
+    }
 }

@@ -591,6 +591,16 @@ impl CachingAllocator {
             .unwrap_or(0)
     }
 
+    /// The free memory in mapped whole pages of the shared pools' expandable segments, by
+    /// what a page move can do with it: `(movable, stranded)` bytes, those in physical
+    /// handles that hold only free bytes and those in handles that blocks in use also cover
+    /// (see [`crate::pool::CachingPool::free_page_kinds`]). Both 0 with classic segments.
+    pub fn free_page_kinds(&self) -> (u64, u64) {
+        (0..self.inner.shards.len())
+            .map(|j| self.shard(j).free_page_kinds())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    }
+
     /// The largest block one allocation could take now without anything being freed: the
     /// largest free cached block, or the device's free memory (within the memory budget)
     /// where that is more. This is what PyTorch's own allocator reports to `cacheInfo`

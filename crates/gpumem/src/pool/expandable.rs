@@ -784,6 +784,54 @@ impl CachingPool {
         (got, done)
     }
 
+    /// The free memory in mapped whole pages of expandable segments, by what a page move can
+    /// do with it: `(movable, stranded)`. Movable: the pages of physical handles that hold
+    /// only free bytes (an unmap takes them whole). Stranded: free whole pages in handles
+    /// that blocks in use (or quick-cached, or waiting on events) also cover: an unmap covers
+    /// whole handles, so these pages stay where they are until those blocks are freed, and
+    /// the pool grows instead of moving them.
+    pub fn free_page_kinds(&self) -> (u64, u64) {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let Ok(vmm) = self.vmm() else {
+            return (0, 0);
+        };
+        let (mut movable, mut stranded) = (0, 0);
+        for &seg in self.segment_index.values() {
+            let s = &self.segments[seg as usize];
+            let Some(pages) = &s.pages else {
+                continue;
+            };
+            for (addr, size) in self.free_parts(seg, None) {
+                // (free parts are whole runs of free bytes: a handle wholly inside one holds
+                // nothing else)
+                let first = (addr - s.addr).div_ceil(page);
+                let end = (addr + size - s.addr) / page;
+                if first >= end {
+                    continue;
+                }
+                for (f, n) in pages.runs(first, end, true) {
+                    let mut p = f;
+                    while p < f + n {
+                        let (u0, u1) = match vmm.unit_at(s.addr + p * page) {
+                            Some((a, b)) if a >= s.addr => {
+                                ((a - s.addr) / page, (a + b - s.addr) / page)
+                            }
+                            _ => (p, p + 1),
+                        };
+                        let to = u1.clamp(p + 1, f + n);
+                        if u0 >= first && u1 <= end {
+                            movable += (to - p) * page;
+                        } else {
+                            stranded += (to - p) * page;
+                        }
+                        p = to;
+                    }
+                }
+            }
+        }
+        (movable, stranded)
+    }
+
     pub(super) fn largest_mapped_free(&self) -> u64 {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let mut best = self

@@ -1461,3 +1461,31 @@ fn a_plan_taken_up_again_around_the_same_blocks_is_not_placed_again() {
     assert!(placed.2 >= 12, "{placed:?}");
     free(&mut p, weights);
 }
+
+/// Free pages are movable while their physical handle holds nothing else, and stranded once a
+/// block in use covers part of that handle: an unmap covers whole handles.
+#[test]
+fn free_pages_in_a_handle_a_live_block_shares_are_stranded() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,quick_cache:0");
+    // two blocks of 64 MiB: one handle of 32 pages each
+    let a = alloc(&mut p, A, 64 * MIB);
+    let _b = alloc(&mut p, A, 64 * MIB);
+    assert_eq!(p.free_page_kinds(), (0, 0));
+    free(&mut p, a);
+    assert_eq!(
+        p.free_page_kinds(),
+        (64 * MIB, 0),
+        "a's handle holds only free bytes"
+    );
+    // 2 MiB taken from a's mapped pages: the other 62 MiB of its handle stay where they are
+    let c = alloc(&mut p, A, 2 * MIB);
+    assert_eq!(c, a, "the mapped best fit");
+    assert_eq!(p.free_page_kinds(), (0, 62 * MIB));
+    free(&mut p, c);
+    assert_eq!(p.free_page_kinds(), (64 * MIB, 0));
+    // classic segments have no pages to move
+    let (mut q, _) = pool();
+    let d = alloc(&mut q, A, 64 * MIB);
+    free(&mut q, d);
+    assert_eq!(q.free_page_kinds(), (0, 0));
+}

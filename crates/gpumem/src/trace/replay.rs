@@ -33,6 +33,13 @@ pub struct PolicyReport {
     /// largest free block when reserved peaked (0 for `recorded`); for expandable segments the
     /// longest free range that is mapped
     pub largest_free_block_at_peak: u64,
+    /// free bytes in mapped whole pages at the reserved peak whose physical handles hold only
+    /// free bytes, so that a page move could take them (0 for `recorded` and classic segments)
+    pub movable_at_peak: u64,
+    /// free bytes in mapped whole pages at the reserved peak whose physical handles blocks in
+    /// use also cover: an unmap covers whole handles, so no move can take them (0 for
+    /// `recorded` and classic segments)
+    pub stranded_at_peak: u64,
     /// allocator time per replayed event (0 for `recorded`)
     pub ns_per_event: f64,
     /// segment allocations and frees, or page map and unmap calls (expandable segments)
@@ -134,6 +141,8 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         ratio: ratio(peak_reserved, peak_live),
         segments_at_peak: segs_at_peak,
         largest_free_block_at_peak: 0,
+        movable_at_peak: 0,
+        stranded_at_peak: 0,
         ns_per_event: 0.0,
         critical_path_us: 0.0,
         move_us: 0.0,
@@ -333,11 +342,15 @@ fn replay_passes(
             }
         },
     )?;
-    let mut at_peak = (0u64, Vec::new());
+    let mut at_peak = (0u64, Vec::new(), (0u64, 0u64));
     if peak.0 > 0 {
         run(events, config, backend()?, stream, peak.2, |alloc, i| {
             if i == peak.2 {
-                at_peak = (alloc.largest_free_block(), alloc.segments());
+                at_peak = (
+                    alloc.largest_free_block(),
+                    alloc.segments(),
+                    alloc.free_page_kinds(),
+                );
             }
         })?;
     }
@@ -360,6 +373,8 @@ fn replay_passes(
             ratio: ratio(peak.0, peak_live),
             segments_at_peak: peak.1,
             largest_free_block_at_peak: at_peak.0,
+            movable_at_peak: at_peak.2 .0,
+            stranded_at_peak: at_peak.2 .1,
             ns_per_event,
             device_calls,
             unmap_syncs: stats.num_unmap_syncs + stats.vmm_waits,
