@@ -191,6 +191,8 @@ fn replay_prints_one_json_object_per_trace() {
             "peak_live_bytes",
             "segments_at_peak",
             "largest_free_block_at_peak",
+            "movable_at_peak",
+            "stranded_at_peak",
             "ns_per_event",
             "backend",
         ] {
