@@ -51,6 +51,21 @@ pub(super) fn page_span(lo: u64, size: u64, page: u64) -> (u64, u64) {
     (page_index(lo, page), page_count(lo + size, page))
 }
 
+/// The pages `[u0, u1)` of the segment at `base` that the physical handle mapped at its page
+/// `q` spans (an unmap covers whole handles; see [`VirtualMemory::unit_at`]); page `q` alone
+/// where no handle that starts in the segment is known there.
+pub(super) fn handle_pages(
+    vmm: Option<&dyn VirtualMemory>,
+    base: u64,
+    page: u64,
+    q: u64,
+) -> (u64, u64) {
+    match vmm.and_then(|v| v.unit_at(base + q * page)) {
+        Some((a, b)) if a >= base => ((a - base) / page, (a + b - base) / page),
+        _ => (q, q + 1),
+    }
+}
+
 impl CachingPool {
     /// Expandable segments: carve `size` bytes from the best-fitting free block `found` (or a
     /// new segment) and map whatever pages of it are not mapped yet.
@@ -695,12 +710,7 @@ impl CachingPool {
             for (f, n) in pages.runs(first, end, true).into_iter().rev() {
                 let mut p = f + n;
                 while p > f {
-                    let (u0, u1) = match vmm.and_then(|v| v.unit_at(s.addr + (p - 1) * page)) {
-                        Some((a, b)) if a >= s.addr => {
-                            ((a - s.addr) / page, (a + b - s.addr) / page)
-                        }
-                        _ => (p - 1, p),
-                    };
+                    let (u0, u1) = handle_pages(vmm, s.addr, page, p - 1);
                     let whole = u0 >= f
                         && u0 < p
                         && u1 == p
@@ -795,6 +805,7 @@ impl CachingPool {
         let Ok(vmm) = self.vmm() else {
             return (0, 0);
         };
+        let vmm = Some(vmm);
         let (mut movable, mut stranded) = (0, 0);
         for &seg in self.segment_index.values() {
             let s = &self.segments[seg as usize];
@@ -812,12 +823,7 @@ impl CachingPool {
                 for (f, n) in pages.runs(first, end, true) {
                     let mut p = f;
                     while p < f + n {
-                        let (u0, u1) = match vmm.unit_at(s.addr + p * page) {
-                            Some((a, b)) if a >= s.addr => {
-                                ((a - s.addr) / page, (a + b - s.addr) / page)
-                            }
-                            _ => (p, p + 1),
-                        };
+                        let (u0, u1) = handle_pages(vmm, s.addr, page, p);
                         let to = u1.clamp(p + 1, f + n);
                         if u0 >= first && u1 <= end {
                             movable += (to - p) * page;

@@ -25,7 +25,7 @@
 //! places anything there. A plan that no longer matches is dissolved: its segment becomes an
 //! ordinary expandable segment whose free pages the dynamic pool reclaims as it needs.
 
-use super::expandable::page_span;
+use super::expandable::{handle_pages, page_span};
 use super::repeat::{self, Entry, NONE, WINDOW};
 use super::*;
 
@@ -1254,10 +1254,8 @@ impl CachingPool {
         let mut units = Vec::new();
         let mut q = pages.next_with(0, n, true);
         while q < n {
-            let (u0, u1) = match vmm.unit_at(base + q * page) {
-                Some((a, b)) if a >= base && a + b <= base + n * page => {
-                    ((a - base) / page, (a + b - base) / page)
-                }
+            let (u0, u1) = match handle_pages(Some(vmm), base, page, q) {
+                (u0, u1) if u1 <= n => (u0, u1),
                 _ => (q, q + 1),
             };
             let span = u0 as usize..u1 as usize;
@@ -1704,10 +1702,7 @@ impl CachingPool {
                 if bytes >= want {
                     break 'runs;
                 }
-                let (u0, u1) = match vmm.unit_at(base + q * page) {
-                    Some((a, b)) if a >= base => ((a - base) / page, (a + b - base) / page),
-                    _ => (q, q + 1),
-                };
+                let (u0, u1) = handle_pages(Some(vmm), base, page, q);
                 if u0 >= f && u1 <= f + n && u1 > u0 && !touches(u0, u1) {
                     unused.push((u0, u1 - u0));
                     bytes += (u1 - u0) * page;
