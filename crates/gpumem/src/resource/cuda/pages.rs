@@ -1,6 +1,9 @@
 //! Virtual-memory pages of one device, cheap to move (see `shared/notes/vmm-costs.md`: on the
-//! H100 a map costs 1 µs, a set-access 28 µs per call whatever the range, an unmap ~20 µs per
-//! mapping, a create or release 13–50 µs).
+//! H100 a map costs 1 µs, a set-access ~20–60 µs and an unmap ~15–45 µs per mapping they
+//! cover, whether one call covers one mapping or several (`scripts/probes/vmm_gpu_cost.cu`,
+//! 2026-11-27: 10 handles of 2 MiB in one call each, 217 and 147 µs with the GPU idle, 334
+//! and 358 µs busy; one handle of 20 MiB, 21 and 14 µs, 62 and 51 µs), a create or release
+//! 13–50 µs).
 //!
 //! The bookkeeping is [`PageMap`]'s (pure, shared with the simulator): an unmapped page is
 //! not unmapped at once. Its address keeps its handle mapped ("lingers") and the handle goes
