@@ -524,21 +524,38 @@ impl CachingPool {
                     Some(_) if own => {
                         // its own pages, in runs of a few pages at least: the old addresses
                         // stay unusable until the stream's work passes them, which for small
-                        // runs scattered among live blocks costs more than it saves. (The
-                        // runs are cut to `want` before the short ones are left out, so a
-                        // move may get nothing while longer runs lie lower in the segment.
-                        // Looking past the short runs instead took resres from 1.011 to
-                        // 1.008 and serve from 1.046 to 1.033, the other real traces
-                        // unchanged, but the conv family's dynamic pool then moved pages
-                        // on every step: 2 and 4 driver calls in step 9 in 4 of its 30
-                        // draws, where `periodic_jobs_driver_calls_per_step_in_steady_state`
-                        // wants none. Measured 2026-11-27.)
+                        // runs scattered among live blocks costs more than it saves. Once the
+                        // job has repeated, and while no plan follows it, stretches shorter
+                        // than that are passed over for longer ones lower in the segment;
+                        // otherwise the runs are cut to `want` first and the short ones then
+                        // left out, so that a move may get nothing while longer runs lie
+                        // lower down. Passing over them always took the other real traces'
+                        // ratios down too (resres 1.0106 -> 1.0082, moe16 1.085 -> 1.073
+                        // with the GPU 3000 calls behind) but ResNet-50's driver share there
+                        // from 0.994% to 1.016% (4 more moves in its warm-up, where its first
+                        // step's growth takes most of the 1%), and with a plan in step 4 of
+                        // 30 convnet draws recorded 4-8 move events every step (the small
+                        // pool's pages going to the large pool and back). As it is: serve
+                        // 1.046 / 1.068 / 1.072 -> 1.033 at every lag, the moe family's mean
+                        // 1.0082 -> 1.0065 and the variable-resolution convnets' 1.0101 ->
+                        // 1.0071; every other real trace the same to the byte. Measured
+                        // 2026-11-27.
                         self.order_for_foreign(seg, owner);
-                        let runs: Vec<(u64, u64)> = self
-                            .free_mapped_runs(seg, want - got, u64::MAX, Some(owner))
-                            .into_iter()
-                            .filter(|r| r.1 >= MIN_ORDERED_RUN)
-                            .collect();
+                        let runs: Vec<(u64, u64)> =
+                            if self.plans.repeated() && !self.plans.in_step() {
+                                self.free_mapped_runs_of(
+                                    seg,
+                                    want - got,
+                                    u64::MAX,
+                                    Some(owner),
+                                    MIN_ORDERED_RUN,
+                                )
+                            } else {
+                                self.free_mapped_runs(seg, want - got, u64::MAX, Some(owner))
+                                    .into_iter()
+                                    .filter(|r| r.1 >= MIN_ORDERED_RUN)
+                                    .collect()
+                            };
                         got += self.unmap_runs_after(seg, runs, owner, true);
                     }
                     Some(cur) => got += self.move_across_streams(seg, owner, cur, want - got),
@@ -690,6 +707,20 @@ impl CachingPool {
         max_tick: u64,
         mover: Option<Stream>,
     ) -> Vec<(u64, u64)> {
+        self.free_mapped_runs_of(seg, want, max_tick, mover, 1)
+    }
+
+    /// [`CachingPool::free_mapped_runs`] where the free pages of a stretch of mapped pages
+    /// count only if they come to `min_run` pages at least (a shorter stretch is passed over,
+    /// not taken first and then dropped).
+    pub(super) fn free_mapped_runs_of(
+        &self,
+        seg: u32,
+        want: u64,
+        max_tick: u64,
+        mover: Option<Stream>,
+        min_run: u64,
+    ) -> Vec<(u64, u64)> {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let s = &self.segments[seg as usize];
         let Some(pages) = &s.pages else {
@@ -708,6 +739,10 @@ impl CachingPool {
                 continue;
             }
             for (f, n) in pages.runs(first, end, true).into_iter().rev() {
+                if n < min_run {
+                    continue;
+                }
+                let from = units.len();
                 let mut p = f + n;
                 while p > f {
                     let (u0, u1) = handle_pages(vmm, s.addr, page, p - 1);
@@ -717,12 +752,20 @@ impl CachingPool {
                         && (u0..u1).all(|q| pages.freed_at(q) <= max_tick);
                     if whole {
                         units.push((u0, u1 - u0));
-                        left = left.saturating_sub((u1 - u0) * page);
-                        if left == 0 {
-                            break 'blocks;
-                        }
                     }
                     p = u0.clamp(f, p - 1);
+                }
+                if units[from..].iter().map(|u| u.1).sum::<u64>() < min_run {
+                    units.truncate(from);
+                    continue;
+                }
+                // (the units of this stretch, highest first, until `want` is met)
+                for k in from..units.len() {
+                    left = left.saturating_sub(units[k].1 * page);
+                    if left == 0 {
+                        units.truncate(k + 1);
+                        break 'blocks;
+                    }
                 }
             }
         }

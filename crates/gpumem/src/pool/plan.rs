@@ -978,6 +978,18 @@ impl Plans {
         !self.plans.is_empty() || self.planning.is_some()
     }
 
+    /// Whether the job has repeated: the detector has found a period (its warm-up is over).
+    #[inline]
+    pub(super) fn repeated(&self) -> bool {
+        self.seen > 0
+    }
+
+    /// Whether a plan follows the job now.
+    #[inline]
+    pub(super) fn in_step(&self) -> bool {
+        self.current.is_some()
+    }
+
     /// Plans on their way: a layout being computed (or computed and not yet taken), and plans
     /// made that have not yet taken their region (at the start of their period), unless
     /// declined.

@@ -1489,3 +1489,32 @@ fn free_pages_in_a_handle_a_live_block_shares_are_stranded() {
     free(&mut q, d);
     assert_eq!(q.free_page_kinds(), (0, 0));
 }
+
+#[test]
+fn free_runs_can_pass_over_stretches_too_short_to_move() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,quick_cache:0");
+    // from the bottom: x (4 pages, one handle), a live guard, z (1 page), a live guard
+    let x = alloc(&mut p, A, 8 * MIB);
+    let _g = alloc(&mut p, A, 2 * MIB);
+    let z = alloc(&mut p, A, 2 * MIB);
+    let _h = alloc(&mut p, A, 2 * MIB);
+    free(&mut p, x);
+    free(&mut p, z);
+    let seg = *p.segment_index.values().next().unwrap();
+    let base = p.segments[seg as usize].addr;
+    let page = |a: u64| (a - base) / (2 * MIB);
+    // highest first, cut to what is wanted: z's page alone
+    let runs = p.free_mapped_runs(seg, 2 * MIB, u64::MAX, None);
+    assert_eq!(runs, vec![(page(z), 1)]);
+    // cut first, then short runs left out: nothing, though x's 4 pages lie lower
+    assert!(runs.iter().all(|r| r.1 < 4));
+    // short stretches passed over: x's handle, whole (an unmap covers whole handles)
+    assert_eq!(
+        p.free_mapped_runs_of(seg, 2 * MIB, u64::MAX, None, 4),
+        vec![(page(x), 4)]
+    );
+    // with nothing long enough, nothing
+    assert!(p
+        .free_mapped_runs_of(seg, 2 * MIB, u64::MAX, None, 5)
+        .is_empty());
+}
