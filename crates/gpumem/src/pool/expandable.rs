@@ -525,21 +525,20 @@ impl CachingPool {
                         // its own pages, in runs of a few pages at least: the old addresses
                         // stay unusable until the stream's work passes them, which for small
                         // runs scattered among live blocks costs more than it saves. Once the
-                        // job has repeated, and while no plan follows it, stretches shorter
-                        // than that are passed over for longer ones lower in the segment;
-                        // otherwise the runs are cut to `want` first and the short ones then
-                        // left out, so that a move may get nothing while longer runs lie
-                        // lower down. Passing over them always took the other real traces'
-                        // ratios down too (resres 1.0106 -> 1.0082, moe16 1.085 -> 1.073
-                        // with the GPU 3000 calls behind) but ResNet-50's driver share there
-                        // from 0.994% to 1.016% (4 more moves in its warm-up, where its first
-                        // step's growth takes most of the 1%), and with a plan in step 4 of
-                        // 30 convnet draws recorded 4-8 move events every step (the small
-                        // pool's pages going to the large pool and back). As it is: serve
-                        // 1.046 / 1.068 / 1.072 -> 1.033 at every lag, the moe family's mean
-                        // 1.0082 -> 1.0065 and the variable-resolution convnets' 1.0101 ->
-                        // 1.0071; every other real trace the same to the byte. Measured
-                        // 2026-11-27.
+                        // job has repeated (the detector found a period), and while no plan
+                        // follows it, stretches shorter than that are passed over for longer
+                        // ones lower in the segment. Otherwise the runs are cut to `want`
+                        // first and the short ones then left out, so that a move may get
+                        // nothing while longer runs lie lower down: passing over them in the
+                        // warm-up too took resres 1.0106 -> 1.0082 and moe16 (GPU 3000 calls
+                        // behind) 1.085 -> 1.073, but ResNet-50's driver share there 0.994%
+                        // -> 1.016% (4 more moves in its warm-up, where its first step's
+                        // growth takes most of the 1%); with a plan in step, 4 of 30 convnet
+                        // draws recorded 4-8 move events every step (the small pool's pages
+                        // going to the large pool and back). As it is: serve 1.046 / 1.068 /
+                        // 1.072 -> 1.033 at every lag, the moe family's mean 1.0082 -> 1.0065,
+                        // the variable-resolution convnets' 1.0101 -> 1.0071; every other
+                        // real trace the same to the byte. Measured 2026-11-27.
                         self.order_for_foreign(seg, owner);
                         let runs: Vec<(u64, u64)> =
                             if self.plans.repeated() && !self.plans.in_step() {
