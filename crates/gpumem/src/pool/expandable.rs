@@ -844,38 +844,40 @@ impl CachingPool {
     /// the pool grows instead of moving them.
     pub fn free_page_kinds(&self) -> (u64, u64) {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let Ok(vmm) = self.vmm() else {
+        if self.vmm().is_err() {
             return (0, 0);
-        };
-        let vmm = Some(vmm);
+        }
         let (mut movable, mut stranded) = (0, 0);
         for &seg in self.segment_index.values() {
             let s = &self.segments[seg as usize];
             let Some(pages) = &s.pages else {
                 continue;
             };
-            for (addr, size) in self.free_parts(seg, None) {
-                // (free parts are whole runs of free bytes: a handle wholly inside one holds
-                // nothing else)
-                let first = (addr - s.addr).div_ceil(page);
-                let end = (addr + size - s.addr) / page;
-                if first >= end {
-                    continue;
-                }
-                for (f, n) in pages.runs(first, end, true) {
-                    let mut p = f;
-                    while p < f + n {
-                        let (u0, u1) = handle_pages(vmm, s.addr, page, p);
-                        let to = u1.clamp(p + 1, f + n);
-                        if u0 >= first && u1 <= end {
-                            movable += (to - p) * page;
-                        } else {
-                            stranded += (to - p) * page;
-                        }
-                        p = to;
+            // every mapped whole page of its free bytes...
+            let free: u64 = self
+                .free_parts(seg, None)
+                .into_iter()
+                .map(|(addr, size)| {
+                    let first = (addr - s.addr).div_ceil(page);
+                    let end = (addr + size - s.addr) / page;
+                    if first >= end {
+                        return 0;
                     }
-                }
-            }
+                    pages
+                        .runs(first, end, true)
+                        .iter()
+                        .map(|r| r.1)
+                        .sum::<u64>()
+                })
+                .sum();
+            // ...and those of handles that hold nothing else, which a move takes whole
+            let whole: u64 = self
+                .free_mapped_runs(seg, u64::MAX, u64::MAX, None)
+                .iter()
+                .map(|r| r.1)
+                .sum();
+            movable += whole * page;
+            stranded += (free - whole) * page;
         }
         (movable, stranded)
     }
