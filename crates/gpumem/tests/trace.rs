@@ -82,9 +82,13 @@ fn recorded_figures_follow_the_segment_events() {
         (r.peak_live_bytes, r.peak_reserved_bytes, r.segments_at_peak),
         (4000, 2 << 20, 1)
     );
+    // the segment came with the trace's first event
+    assert_eq!(r.peak_reserved_at, Some(0.0));
     let ours = replay("gpumem", &ev, &Config::default(), TIB).unwrap();
     assert_eq!(ours.peak_reserved_bytes, 2 << 20);
     assert!((ours.ratio - (2 << 20) as f64 / 4000.0).abs() < 1e-9);
+    // gpumem's came with the first allocation, the trace's second event of seven
+    assert_eq!(ours.peak_reserved_at, Some(1.0 / 7.0));
 }
 
 #[test]
@@ -742,6 +746,8 @@ fn the_report_counts_free_pages_no_move_can_take_at_the_peak() {
         (0, 62 * MIB),
         "{r:?}"
     );
+    // (the peak: the 100 MiB allocation, the fifth of six events)
+    assert_eq!(r.peak_reserved_at, Some(4.0 / 6.0));
     let classic = Config::parse("expandable_segments:False").unwrap();
     let r = replay("t", &events, &classic, TIB).unwrap();
     assert_eq!((r.movable_at_peak, r.stranded_at_peak), (0, 0));

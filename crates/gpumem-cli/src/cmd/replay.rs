@@ -216,17 +216,23 @@ fn print(out: &ReplayOut) {
                 .map_or("n/a".to_string(), |s| format!("{:.2}%", s * 100.0))
         );
     }
-    // (pages: the free memory a move could take at the peak, and what it could not)
+    // (when the peak came, and the pages: the free memory a move could take at the peak,
+    // and what it could not)
     for p in &out.policies {
+        let when = p.peak_reserved_at.map_or(String::new(), |t| {
+            format!(" ({:.0}% of the way through the trace's events)", t * 100.0)
+        });
         if p.movable_at_peak + p.stranded_at_peak > 0 {
             println!(
-                "  {}: at the reserved peak, {} free in mapped whole pages, {} of them in \
+                "  {}: at the reserved peak{when}, {} free in mapped whole pages, {} of them in \
                  physical handles that blocks in use also cover (no move can take those: an \
                  unmap covers whole handles)",
                 p.name,
                 human(p.movable_at_peak + p.stranded_at_peak),
                 human(p.stranded_at_peak)
             );
+        } else if !when.is_empty() && p.backend != "trace" {
+            println!("  {}: reserved peaked{when}", p.name);
         }
     }
 }

@@ -28,6 +28,10 @@ pub struct PolicyReport {
     pub planned_bytes_at_peak: u64,
     /// peak reserved / peak live
     pub ratio: f64,
+    /// when reserved bytes first reached their peak: the share of the trace's events before
+    /// it (`None`: nothing reserved). A peak early in a job that repeats came before any plan
+    /// served, in its first steps
+    pub peak_reserved_at: Option<f64>,
     /// segments held at the reserved peak
     pub segments_at_peak: u64,
     /// largest free block when reserved peaked (0 for `recorded`); for expandable segments the
@@ -104,7 +108,8 @@ impl CostModel {
 pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
     let (mut live, mut peak_live, mut reserved, mut peak_reserved) = (0u64, 0u64, 0u64, 0u64);
     let (mut segs, mut segs_at_peak, mut calls) = (0u64, 0u64, 0u64);
-    for e in events {
+    let mut peak_at = None;
+    for (i, e) in events.iter().enumerate() {
         match e.action {
             Action::Alloc => {
                 live += e.size;
@@ -120,6 +125,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
                 if reserved > peak_reserved {
                     peak_reserved = reserved;
                     segs_at_peak = segs;
+                    peak_at = Some(i);
                 }
             }
             Action::SegmentFree | Action::SegmentUnmap => {
@@ -139,6 +145,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         peak_reserved_bytes: peak_reserved,
         planned_bytes_at_peak: 0,
         ratio: ratio(peak_reserved, peak_live),
+        peak_reserved_at: peak_at.map(|i| event_share(i, events.len())),
         segments_at_peak: segs_at_peak,
         largest_free_block_at_peak: 0,
         movable_at_peak: 0,
@@ -162,6 +169,11 @@ fn wall_us(events: &[TraceEvent]) -> Option<f64> {
     let first = events.iter().map(|e| e.time_us).filter(|&t| t > 0).min()?;
     let last = events.iter().map(|e| e.time_us).max()?;
     (last > first).then(|| (last - first) as f64)
+}
+
+/// The share of a trace's `n` events before event `i`.
+fn event_share(i: usize, n: usize) -> f64 {
+    i as f64 / n.max(1) as f64
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -371,6 +383,7 @@ fn replay_passes(
             peak_reserved_bytes: peak.0,
             planned_bytes_at_peak: peak.3,
             ratio: ratio(peak.0, peak_live),
+            peak_reserved_at: (peak.0 > 0).then(|| event_share(peak.2, events.len())),
             segments_at_peak: peak.1,
             largest_free_block_at_peak: at_peak.0,
             movable_at_peak: at_peak.2 .0,
