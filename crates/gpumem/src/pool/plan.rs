@@ -814,10 +814,23 @@ impl Cover {
     }
 }
 
+/// One position of a plan, as its cursor reads it: the low half of the event's print (a
+/// match is checked against the slot's size where it counts, at an allocation) and the slot
+/// its allocation takes ([`NO_SLOT`] for a free). Eight bytes a position in one array, where
+/// the print and the slot were twelve in two: on `random_256_live`'s plan of 43,362 large
+/// events a pass, that is 173 KB less read per pass.
+#[derive(Debug, Clone, Copy)]
+struct Pos {
+    print: u32,
+    slot: u32,
+}
+
 /// A plan in use: its layout, its region and where the job stands in it.
 #[derive(Debug)]
 pub(super) struct Plan {
     layout: Layout,
+    /// per position of the layout, what the cursor compares and takes
+    pos: Vec<Pos>,
     /// rolling hash of the [`WINDOW`] prints ending at each position → the position after it
     /// (windows seen at several positions are left out)
     windows: FxHashMap<u64, u32>,
@@ -880,8 +893,18 @@ impl Plan {
         for h in twice {
             windows.remove(&h);
         }
+        let pos = layout
+            .prints
+            .iter()
+            .zip(&layout.slot_at)
+            .map(|(&print, &slot)| Pos {
+                print: print as u32,
+                slot,
+            })
+            .collect();
         Self {
             layout,
+            pos,
             windows,
             cursor: None,
             seg: NIL,
@@ -919,12 +942,12 @@ impl Plan {
     #[inline]
     fn step(&mut self, print: u64) -> Option<u32> {
         let c = self.cursor?;
-        if self.layout.prints[c as usize] != print {
+        if self.pos[c as usize].print != print as u32 {
             self.cursor = None;
             return None;
         }
         let next = c + 1;
-        self.cursor = Some(if next as usize == self.layout.prints.len() {
+        self.cursor = Some(if next as usize == self.pos.len() {
             0
         } else {
             next
@@ -1033,12 +1056,16 @@ impl CachingPool {
             self.plans.plans[i].since = self.plans.repeats.events();
         }
         let p = &self.plans.plans[i];
-        let slot = p.layout.slot_at[pos as usize];
+        let slot = p.pos[pos as usize].slot;
         if slot == NO_SLOT {
             return None;
         }
         let (off, bytes) = p.layout.slots[slot as usize];
-        debug_assert_eq!(bytes, size);
+        if bytes != size {
+            // the low half of another event's print: not the plan's event after all
+            self.plan_out_of_step(i);
+            return None;
+        }
         let r = self.plan_carve(i, off, size);
         if r.is_some() {
             let events = self.plans.repeats.events();
