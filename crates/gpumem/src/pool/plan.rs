@@ -814,8 +814,9 @@ impl Cover {
     }
 }
 
-/// One position of a plan, as its cursor reads it: the low half of the event's print (a
-/// match is checked against the slot's size where it counts, at an allocation) and the slot
+/// One position of a plan, as its cursor reads it: the low half of the event's print (on one
+/// stream, every multiple of 512 bytes up to 2 GB has a low half of its own; a match is
+/// checked against the slot's size where it counts, at an allocation) and the slot
 /// its allocation takes ([`NO_SLOT`] for a free). Eight bytes a position in one array, where
 /// the print and the slot were twelve in two: on `random_256_live`'s plan of 43,362 large
 /// events a pass, that is 173 KB less read per pass.
@@ -1062,7 +1063,9 @@ impl CachingPool {
         }
         let (off, bytes) = p.layout.slots[slot as usize];
         if bytes != size {
-            // the low half of another event's print: not the plan's event after all
+            // the low half of another event's print: not the plan's event after all (as in
+            // `Plan::step`, the cursor is lost)
+            self.plans.plans[i].cursor = None;
             self.plan_out_of_step(i);
             return None;
         }
