@@ -627,7 +627,8 @@ pub(super) fn lives(events: &[Entry], first: u64, period: usize) -> (Vec<(u32, L
 #[derive(Debug)]
 pub(super) struct Layout {
     /// the print of each position, rotated so that position 0 is where the fewest planned
-    /// bytes are held (the plan starts there)
+    /// bytes are held (the plan starts there); with `slot_at`, taken by [`Plan::new`] into
+    /// the plan's positions (empty after)
     prints: Vec<u64>,
     /// per position, the slot its allocation takes
     slot_at: Vec<u32>,
@@ -876,7 +877,7 @@ struct GiveBack {
 }
 
 impl Plan {
-    pub(super) fn new(layout: Layout) -> Self {
+    pub(super) fn new(mut layout: Layout) -> Self {
         let p = layout.prints.len();
         let slots = layout.slots.len();
         let mut windows: FxHashMap<u64, u32> = FxHashMap::default();
@@ -894,11 +895,11 @@ impl Plan {
         for h in twice {
             windows.remove(&h);
         }
-        let pos = layout
-            .prints
-            .iter()
-            .zip(&layout.slot_at)
-            .map(|(&print, &slot)| Pos {
+        // (the layout's prints and slots per position end here: the cursor reads `pos`)
+        let pos = std::mem::take(&mut layout.prints)
+            .into_iter()
+            .zip(std::mem::take(&mut layout.slot_at))
+            .map(|(print, slot)| Pos {
                 print: print as u32,
                 slot,
             })
@@ -930,7 +931,7 @@ impl Plan {
     /// of the current period, not a period later.
     fn soonest_copy(&self, c: u32) -> u32 {
         let half = self.layout.half;
-        if self.layout.prints.len() as u32 != 2 * half {
+        if self.pos.len() as u32 != 2 * half {
             return c;
         }
         match c % half {
@@ -1114,7 +1115,7 @@ impl CachingPool {
         let (idle, settled) = self.plans.current.map_or((false, false), |i| {
             let p = &self.plans.plans[i];
             let events = self.plans.repeats.events();
-            let idle = p.seg != NIL && events >= p.since + p.layout.prints.len() as u64;
+            let idle = p.seg != NIL && events >= p.since + p.pos.len() as u64;
             // (a try at giving back pages is due: see `plan_settled`)
             let g = &p.give_back;
             let due = (g.tries > 0 && events >= g.next_at) || !g.waiting.is_empty();
@@ -1178,7 +1179,7 @@ impl CachingPool {
         let events = self.plans.repeats.events();
         let (stream, cycle) = {
             let p = &self.plans.plans[i];
-            (p.layout.stream, p.layout.prints.len() as u64)
+            (p.layout.stream, p.pos.len() as u64)
         };
         if !self.plans.plans[i].give_back.waiting.is_empty() {
             self.plan_split_waiting(i, events);
@@ -1366,7 +1367,7 @@ impl CachingPool {
         let now = self.plans.repeats.events();
         let p = &mut self.plans.plans[i];
         if p.seg != NIL {
-            let short = now < p.since + p.layout.prints.len() as u64;
+            let short = now < p.since + p.pos.len() as u64;
             p.short_stays = if short { p.short_stays + 1 } else { 0 };
             if p.short_stays >= MAX_SHORT_STAYS {
                 self.stats.num_plans_dropped += 1;
@@ -1615,7 +1616,7 @@ impl CachingPool {
         self.flush_quick();
         let n0 = self.plans.repeats.events();
         let p = &self.plans.plans[i];
-        let period = p.layout.prints.len() as u64;
+        let period = p.pos.len() as u64;
         let base = self.segments[seg as usize].addr;
         let mut fixed = Vec::new();
         let mut pinned: Vec<(usize, u64)> = Vec::new();
@@ -1625,7 +1626,7 @@ impl CachingPool {
             if matches!(b.state, State::Allocated | State::Pending) {
                 let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
                 let slot = (born != NONE && born < n0 && n0 - born < period)
-                    .then(|| p.layout.slot_at[(period - (n0 - born)) as usize])
+                    .then(|| p.pos[(period - (n0 - born)) as usize].slot)
                     .filter(|&k| k != NO_SLOT)
                     .map(|k| k as usize)
                     .filter(|&k| {
@@ -2054,7 +2055,7 @@ impl CachingPool {
         self.plans
             .plans
             .iter()
-            .map(|p| (p.layout.prints.len() as u32, p.layout.half))
+            .map(|p| (p.pos.len() as u32, p.layout.half))
             .collect()
     }
 
