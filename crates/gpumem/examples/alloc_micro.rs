@@ -30,6 +30,8 @@ fn main() {
         .unwrap_or("model name: ?");
     println!("{model}");
     let n = 2_000_000;
+    // `alloc_micro plan`: the planned step alone (for a profiler)
+    let plan_only = std::env::args().nth(1).as_deref() == Some("plan");
     let flag = AtomicBool::new(false);
     time("atomic cas + store (spin lock pair)", n, || {
         let _ =
@@ -42,6 +44,11 @@ fn main() {
     });
     let sim: Arc<SimulatedDevice> = Arc::new(SimulatedDevice::new(1 << 42));
     let cfg = Config::from_env().unwrap();
+    if plan_only {
+        let reps = std::env::args().nth(2).and_then(|r| r.parse().ok());
+        planned_steps(&sim, &cfg, reps.unwrap_or(40));
+        return;
+    }
     let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
     time("pool same_size (no lock)", n, || {
         let a = pool
@@ -87,5 +94,46 @@ fn main() {
                 .deallocate(std::mem::replace(&mut live[w.slots[i]], new))
                 .unwrap();
         });
+    }
+    planned_steps(&sim, &cfg, 1);
+}
+
+/// A repeating step of k blocks of 2-32 MiB, allocated in order and released in reverse
+/// (`alloc_loop.py`'s step loop): served from a planned layout once the job repeats.
+fn planned_steps(sim: &Arc<SimulatedDevice>, cfg: &Config, reps: usize) {
+    for k in [32usize, 256] {
+        let mut pool = CachingPool::new(sim.clone(), cfg, Arc::new(SharedCounters::default()));
+        let sizes: Vec<usize> = (0..k).map(|i| (2 + (i * 7) % 31) << 20).collect();
+        let mut held = Vec::with_capacity(k);
+        let mut step = |pool: &mut CachingPool| {
+            for &s in &sizes {
+                let a =
+                    pool.allocate_inner(Stream::DEFAULT, black_box(s), 256, true, Handout::Token);
+                held.push(a.unwrap());
+            }
+            while let Some(a) = held.pop() {
+                pool.free_by_id(a.id, a.generation).unwrap();
+            }
+        };
+        for _ in 0..50 {
+            step(&mut pool);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let planned = pool.stats().num_plan_allocs;
+        let steps = (200_000 / k).max(10);
+        let mut best = f64::MAX;
+        for _ in 0..5 * reps {
+            let t = Instant::now();
+            for _ in 0..steps {
+                step(&mut pool);
+            }
+            best = best.min(t.elapsed().as_nanos() as f64 / (steps * k) as f64);
+        }
+        let served = pool.stats().num_plan_allocs - planned;
+        let name = format!("pool planned step of {k} (no lock)");
+        println!(
+            "{name:<40} {best:>8.1} ns  ({served} of {} from the plan)",
+            5 * reps * steps * k
+        );
     }
 }

@@ -250,6 +250,7 @@ impl CachingPool {
         self.blocks[id as usize].state = State::Allocated;
     }
 
+    #[inline]
     pub(super) fn mark_inactive(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         if b.prev != NIL || b.next != NIL {
@@ -258,6 +259,7 @@ impl CachingPool {
         }
     }
 
+    #[inline]
     pub(super) fn unmark_inactive(&mut self, id: u32) {
         let b = &self.blocks[id as usize];
         if b.prev != NIL || b.next != NIL {

@@ -167,6 +167,14 @@ impl Repeats {
         n
     }
 
+    /// Whether an event noted with `idle` now takes the short way: a plan has followed the
+    /// job since before the last event, and the history is not being written (see
+    /// [`Repeats::note`]).
+    #[inline(always)]
+    pub(super) fn quiet(&self) -> bool {
+        self.unwritten.is_some()
+    }
+
     /// Events seen so far (the index the next one gets).
     pub(super) fn events(&self) -> u64 {
         self.n
@@ -277,7 +285,14 @@ impl Repeats {
             let old = self.recent[at(n - WINDOW)].print;
             self.hash = self.hash.wrapping_sub(old.wrapping_mul(TOP));
         }
-        self.recent[at(n)] = e;
+        // (field by field: an `Entry` built in registers and stored whole went through the
+        // stack, its 8-byte stores read back at once by 16-byte loads, which stall: store
+        // forwarding fails; nearly half of `note_large_event`'s time on a planned step)
+        let r = &mut self.recent[at(n)];
+        r.print = e.print;
+        r.live = e.live;
+        r.size = e.size;
+        r.born = e.born;
     }
 
     /// The first event since a plan followed the job: the history gets the last [`RECENT`]
