@@ -44,6 +44,29 @@ fn main() {
     });
     let sim: Arc<SimulatedDevice> = Arc::new(SimulatedDevice::new(1 << 42));
     let cfg = Config::from_env().unwrap();
+    if std::env::args().nth(1).as_deref() == Some("same") {
+        // `alloc_micro same REPS`: 1e6 x REPS same-size pairs of 4 KiB (the quick cache)
+        let reps: usize = std::env::args()
+            .nth(2)
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(1);
+        let mut cfg = cfg.clone();
+        if std::env::args().nth(3).as_deref() == Some("classic") {
+            cfg.pool.expandable_segments = false;
+        }
+        let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
+        time(
+            "pool same_size, token (no lock)",
+            1_000_000 * reps / 5,
+            || {
+                let a = pool
+                    .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, Handout::Token)
+                    .unwrap();
+                pool.free_by_id(a.id, a.generation).unwrap();
+            },
+        );
+        return;
+    }
     if plan_only {
         let reps = std::env::args().nth(2).and_then(|r| r.parse().ok());
         planned_steps(&sim, &cfg, reps.unwrap_or(40));

@@ -106,9 +106,15 @@ for bytes_ in (4096, 1 << 20):
     print(f"{who}: {bytes_} B allocate + DataPtr release: {best:.0f} ns (best of 5 x 1e6)")
     best = min(m.raw_loop(1_000_000, bytes_) for _ in range(5))
     print(f"{who}: {bytes_} B raw_alloc + raw_delete: {best:.0f} ns (best of 5 x 1e6)")
+KEYS = ("num_checkpoints", "vmm_calls_foreground", "vmm_calls_background", "num_plan_allocs",
+        "num_plan_misses", "num_sync_all_streams", "num_device_alloc", "num_pressure_releases")
 for k in (32, 256):
+    before = gpumem_torch.memory_stats() if who.startswith("gpumem") else {}
     best = min(m.step_loop(20_000 if k == 32 else 4_000, k) for _ in range(3))
     print(f"{who}: a repeating step of {k} blocks of 2-32 MiB, allocate + DataPtr release: {best:.0f} ns (best of 3)")
+    if before:
+        after = gpumem_torch.memory_stats()
+        print(f"{who}:   over those rounds: " + ", ".join(f"{key} {after.get(key, 0) - before.get(key, 0)}" for key in KEYS))
 best = min(m.lookups(1_000_000) for _ in range(5))
 print(f"{who}: current_device + getCurrentCUDAStream: {best:.1f} ns")
 for i, name in enumerate(["c10 current_device", "getCurrentCUDAStream(0)", "cudaGetDevice"]):

@@ -282,8 +282,10 @@ impl CachingPool {
 
     /// Whether `stream` has just given back its last block handed out while the pool has
     /// several streams: it may be destroyed now, so its frees get a fresh checkpoint.
+    #[inline]
     pub(super) fn gave_back_last(&self, stream: Stream) -> bool {
-        self.gave_back_last_of(self.handed_out_on(stream))
+        // (the count of streams first: a pool of one stream, the common case, needs no search)
+        self.streams.len() >= 2 && self.handed_out_on(stream) == 0
     }
 
     /// [`CachingPool::gave_back_last`] for a stream with `handed_out` blocks handed out.

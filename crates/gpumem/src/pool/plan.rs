@@ -1134,15 +1134,13 @@ impl CachingPool {
         }
     }
 
-    /// Tell the detector of an allocation of block `id` (`free`: false) or its free.
+    /// Tell the detector of an allocation of block `id` of `rounded` bytes (`free`: false) or
+    /// its free.
     #[inline(always)]
-    pub(super) fn note_event(&mut self, id: u32, free: bool) {
+    pub(super) fn note_event(&mut self, id: u32, rounded: u64, free: bool) {
         // plans place large blocks only; small ones fill the small pool's pages (this much
         // is inlined: most events are small ones)
-        if self.plans.on
-            && self.blocks[id as usize].rounded > SMALL_SIZE
-            && !self.note_quiet(id, free)
-        {
+        if rounded > SMALL_SIZE && self.plans.on && !self.note_quiet(id, free) {
             self.note_large_event(id, free);
         }
     }

@@ -101,7 +101,7 @@ impl CachingPool {
             "a block handed out to a stream neither owns nor borrows it"
         );
         self.count_live(stream, true);
-        self.note_event(id, false);
+        self.note_event(id, rounded, false);
         self.record(Action::Alloc, addr, req, stream);
         PoolAlloc {
             addr,
@@ -313,7 +313,7 @@ impl CachingPool {
         self.count_live(stream, false);
         self.freeing = Some(stream);
         let b = &mut self.blocks[id as usize];
-        let (kind, size, req) = (b.kind, b.size, b.requested);
+        let (kind, size, req, rounded) = (b.kind, b.size, b.requested, b.rounded);
         let deferred = b.uses.is_some();
         self.stats.on_free(kind, size, req, deferred);
         if self.recorder.is_some() {
@@ -323,7 +323,7 @@ impl CachingPool {
                 self.record(Action::FreeCompleted, addr, req, stream);
             }
         }
-        self.note_event(id, true);
+        self.note_event(id, rounded, true);
         if deferred {
             self.wait_for_uses(id);
             return Ok(());
