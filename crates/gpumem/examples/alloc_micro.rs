@@ -67,6 +67,21 @@ fn main() {
         );
         return;
     }
+    if std::env::args().nth(1).as_deref() == Some("asame") {
+        // `alloc_micro asame REPS`: 1e6 x REPS same-size pairs of 4 KiB through the allocator
+        let reps: usize = std::env::args()
+            .nth(2)
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(1);
+        let alloc = CachingAllocator::new(sim.clone(), cfg.clone()).unwrap();
+        time("allocator same_size", 1_000_000 * reps / 5, || {
+            let a = alloc
+                .allocate(Stream::DEFAULT, black_box(4096), 256)
+                .unwrap();
+            alloc.deallocate(a).unwrap();
+        });
+        return;
+    }
     if plan_only {
         let reps = std::env::args().nth(2).and_then(|r| r.parse().ok());
         planned_steps(&sim, &cfg, reps.unwrap_or(40));
