@@ -863,11 +863,13 @@ pub(super) struct Plan {
     placed_around: Option<Around>,
 }
 
-/// A slot's last taking (see [`Plan::taken`]).
+/// A slot's last taking (see [`Plan::taken`]): when, and the block and its address (while
+/// the plan holds its region; `block` is `NIL` before and after).
 #[derive(Debug, Clone, Copy)]
 struct Taken {
     at: u64,
     block: u32,
+    addr: u64,
 }
 
 /// Where a plan stands in giving back the pages of its region that none of its slots uses.
@@ -927,7 +929,14 @@ impl Plan {
                 tries: GIVE_BACK_TRIES,
                 ..GiveBack::default()
             },
-            taken: vec![Taken { at: 0, block: NIL }; slots],
+            taken: vec![
+                Taken {
+                    at: 0,
+                    block: NIL,
+                    addr: 0
+                };
+                slots
+            ],
             placed_around: None,
         }
     }
@@ -1053,8 +1062,44 @@ impl Plans {
 
 impl CachingPool {
     /// A request of `size` rounded bytes on `stream`: the planned block, if the job is in step
-    /// with a plan and its bytes are free.
+    /// with a plan and its bytes are free. The common case first, inlined: the job's next
+    /// event is the plan's, whose slot's block is free as it was left
+    /// ([`CachingPool::plan_take_again`]); nothing changes unless it is taken. Else
+    /// `plan_alloc_slow`, which looks at the same from the start.
+    #[inline(always)]
     pub(super) fn plan_alloc(&mut self, stream: Stream, size: u64) -> Option<u32> {
+        if self.plans.planning.is_none() {
+            if let Some(i) = self.plans.current {
+                let p = &self.plans.plans[i];
+                if let Some(c) = p.cursor {
+                    let at = p.pos[c as usize];
+                    if at.print == repeat::print(false, size, stream.0) as u32
+                        && at.slot != NO_SLOT
+                        && p.seg != NIL
+                    {
+                        if let Some(id) = self.plan_take_again(i, at.slot, size) {
+                            let events = self.plans.repeats.events();
+                            let tick = self.tick;
+                            let p = &mut self.plans.plans[i];
+                            p.cursor = Some(if c as usize + 1 == p.pos.len() {
+                                0
+                            } else {
+                                c + 1
+                            });
+                            p.used = tick;
+                            p.taken[at.slot as usize].at = events;
+                            self.stats.num_plan_allocs += 1;
+                            return Some(id);
+                        }
+                    }
+                }
+            }
+        }
+        self.plan_alloc_slow(stream, size)
+    }
+
+    #[inline(never)]
+    fn plan_alloc_slow(&mut self, stream: Stream, size: u64) -> Option<u32> {
         if self.plans.planning.is_some() {
             self.plan_poll();
         }
@@ -1087,16 +1132,18 @@ impl CachingPool {
             self.plan_out_of_step(i);
             return None;
         }
-        let r = match self.plan_take_again(i, slot, off, size) {
+        let r = match self.plan_take_again(i, slot, size) {
             Some(id) => Some(id),
             None => self.plan_carve(i, off, size),
         };
         match r {
             Some(id) => {
                 let events = self.plans.repeats.events();
+                let addr = self.blocks[id as usize].addr;
                 self.plans.plans[i].taken[slot as usize] = Taken {
                     at: events,
                     block: id,
+                    addr,
                 };
                 self.stats.num_plan_allocs += 1;
             }
@@ -1105,23 +1152,23 @@ impl CachingPool {
         r
     }
 
-    /// Slot `slot` of plan `i` (at `off`, of `size` bytes) as it was last taken, if that
-    /// block is free and still exactly the slot's bytes (a slot whose bytes no other slot
-    /// shares, the common case in a job's steady state: a planned block's free leaves it as
-    /// it is): taken back without looking for it (`plan_carve`), its pages mapped still.
-    #[inline]
-    fn plan_take_again(&mut self, i: usize, slot: u32, off: u64, size: u64) -> Option<u32> {
+    /// Slot `slot` of plan `i` (of `size` bytes) as it was last taken in the plan's region,
+    /// if that block is free and still exactly the slot's bytes (a slot whose bytes no other
+    /// slot shares, the common case in a job's steady state: a planned block's free leaves it
+    /// as it is): taken back without looking for it (`plan_carve`), its pages mapped still.
+    #[inline(always)]
+    fn plan_take_again(&mut self, i: usize, slot: u32, size: u64) -> Option<u32> {
         let p = &self.plans.plans[i];
-        let id = p.taken[slot as usize].block;
-        let b = self.blocks.get(id as usize)?;
-        let s = &self.segments[p.seg as usize];
-        if b.state != State::Free || b.segment != p.seg || b.addr != s.addr + off || b.size != size
-        {
+        let t = p.taken[slot as usize];
+        let b = self.blocks.get(t.block as usize)?;
+        if b.state != State::Free || b.segment != p.seg || b.addr != t.addr || b.size != size {
             return None;
         }
+        let id = t.block;
+        let s = &self.segments[p.seg as usize];
         let pages = s.pages.as_deref()?;
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let (lo, hi) = page_span(off, size, page);
+        let (lo, hi) = page_span(b.addr - s.addr, size, page);
         if !pages.all_mapped(lo, hi) {
             return None;
         }
@@ -2155,6 +2202,7 @@ impl CachingPool {
 
     /// Block `id` of a planned region is free: its plan's (a planned region's free blocks
     /// stay out of the free sets).
+    #[inline]
     fn plan_enter_free(&mut self, id: u32) {
         self.blocks[id as usize].state = State::Free;
         self.mark_inactive(id);
@@ -2197,6 +2245,9 @@ impl CachingPool {
         let p = &mut self.plans.plans[i];
         let seg = std::mem::replace(&mut p.seg, NIL);
         p.cover = Cover::default();
+        for t in &mut p.taken {
+            t.block = NIL;
+        }
         // (handles waiting to be split are the region's: it goes back to the dynamic pool)
         p.give_back.waiting.clear();
         if seg == NIL {
