@@ -1177,9 +1177,12 @@ fn a_new_phase_whose_steps_begin_like_the_old_ones_gets_a_plan_of_its_own() {
     assert_eq!(p.stats().num_plan_misses, 0);
     // the plans' quiet stretches (the detector only counted their events) came back to the
     // detector whole each time the job left one, as it would have had them
-    // (`plan_unskip` checks them against a detector that noted every event)
-    let (given, not) = p.plans.unskipped;
-    assert!(given >= 1 && not == 0, "{given} given back, {not} not");
+    // (`plan_unskip` checks them against a detector that noted every event, in debug builds)
+    #[cfg(debug_assertions)]
+    {
+        let (given, not) = p.plans.unskipped;
+        assert!(given >= 1 && not == 0, "{given} given back, {not} not");
+    }
 }
 
 /// A plan whose first events match every step of a job that never repeats as a whole (here:
