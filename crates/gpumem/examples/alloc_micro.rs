@@ -82,6 +82,54 @@ fn main() {
         });
         return;
     }
+    if std::env::args().nth(1).as_deref() == Some("random") {
+        // `alloc_micro random PASSES [classic]`: passes of random_256_live through the pool
+        // after 20 warm-up passes
+        let passes: usize = std::env::args()
+            .nth(2)
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(1);
+        let mut cfg = cfg.clone();
+        if std::env::args().nth(3).as_deref() == Some("classic") {
+            cfg.pool.expandable_segments = false;
+        }
+        let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
+        let w = RandomLive::standard(1, 1 << 16);
+        let mut live: Vec<_> = (0..w.live)
+            .map(|i| {
+                pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
+                    .unwrap()
+            })
+            .collect();
+        let mut step = 0usize;
+        let mut pass = |pool: &mut CachingPool| {
+            for _ in 0..w.sizes.len() {
+                let i = step % w.sizes.len();
+                step += 1;
+                let new = pool
+                    .allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
+                    .unwrap();
+                let old = std::mem::replace(&mut live[w.slots[i]], new);
+                pool.free_block_id(old.id, old.addr).unwrap();
+            }
+        };
+        for _ in 0..20 {
+            pass(&mut pool);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let t = Instant::now();
+        for _ in 0..passes {
+            pass(&mut pool);
+        }
+        let ops = passes * w.sizes.len();
+        println!(
+            "pool random_256_live, {} passes: {:.1} ns, planned {}",
+            passes,
+            t.elapsed().as_nanos() as f64 / ops as f64,
+            pool.stats().num_plan_allocs
+        );
+        return;
+    }
     if plan_only {
         let reps = std::env::args().nth(2).and_then(|r| r.parse().ok());
         planned_steps(&sim, &cfg, reps.unwrap_or(40));

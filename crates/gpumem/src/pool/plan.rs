@@ -1196,7 +1196,7 @@ impl CachingPool {
     pub(super) fn note_event(&mut self, id: u32, rounded: u64, free: bool) {
         // plans place large blocks only; small ones fill the small pool's pages (this much
         // is inlined: most events are small ones)
-        if rounded > SMALL_SIZE && self.plans.on && !self.note_quiet(id, free) {
+        if rounded > SMALL_SIZE && self.plans.on && !self.note_quiet(id, rounded, free) {
             self.note_large_event(id, free);
         }
     }
@@ -1204,11 +1204,15 @@ impl CachingPool {
     /// [`CachingPool::note_large_event`] where it has nothing to do but count the event, the
     /// common case once a plan follows the job: the plan has served a whole cycle in its
     /// region (the detector only counts events then, see `Repeats::skip`), no try at giving
-    /// back pages is due and the block's slot in `born` exists. Returns false, having done
-    /// nothing, otherwise. (Inlined: the whole of `note_large_event`, out of line, cost about
-    /// twice as many instructions an event, a third of them saving and restoring registers.)
+    /// back pages is due and the block's slot in `born` exists; and the plan can give the
+    /// event back as it was (`plan_unskip`): the block is of its rounded size (the pool's
+    /// count of allocated bytes moves by the plan's size), and a freed block was allocated
+    /// since the plan took its region (its allocation is where the plan says). Returns false,
+    /// having done nothing, otherwise. (Inlined: the whole of `note_large_event`, out of
+    /// line, cost about twice as many instructions an event, a third of them saving and
+    /// restoring registers.)
     #[inline(always)]
-    fn note_quiet(&mut self, id: u32, free: bool) -> bool {
+    fn note_quiet(&mut self, id: u32, rounded: u64, free: bool) -> bool {
         let Some(i) = self.plans.current else {
             return false;
         };
@@ -1224,7 +1228,10 @@ impl CachingPool {
             return false;
         }
         let idx = id as usize;
-        if idx >= self.plans.born.len() {
+        let Some(&born) = self.plans.born.get(idx) else {
+            return false;
+        };
+        if self.blocks[idx].size != rounded || (free && (born == NONE || born < p.since)) {
             return false;
         }
         // (as in `note_large_event`, whose other steps have nothing to do here: the detector
@@ -1238,7 +1245,7 @@ impl CachingPool {
 
     #[inline(never)]
     fn note_large_event(&mut self, id: u32, free: bool) {
-        if let Some(i) = self.plans.current {
+        if let (Some(i), Some(_)) = (self.plans.current, self.plans.repeats.skipped_from()) {
             // (a quiet stretch ends: see `plan_unskip`; the pool's count has this event
             // already)
             let (now, bytes) = (self.stats.allocated_large(), self.blocks[id as usize].size);
@@ -1526,8 +1533,8 @@ impl CachingPool {
         self.plan_leave(i);
     }
 
-    /// (debug builds) Block `id`'s allocation or free to the shadow detector, as `note_large_event`
-    /// tells the detector (called before `born` changes).
+    /// (debug builds) Block `id`'s allocation or free to the shadow detector, as
+    /// `note_large_event` tells the detector (called before `born` changes).
     #[cfg(debug_assertions)]
     fn shadow_note(&mut self, id: u32, free: bool, idle: bool) {
         let b = &self.blocks[id as usize];
@@ -1546,11 +1553,12 @@ impl CachingPool {
     /// job (`Repeats::skip`), as the plan had them: the events since the plan took its
     /// region (at its position 0) are its positions in turn, so each one's print, size and,
     /// for a free, its allocation's event come from the plan; the allocated bytes after each
-    /// from `live` (after the last of them), back over the slots' bytes (a planned block has
-    /// its slot's size). Given back to the detector as `note` would have left them (`Repeats::refill`);
-    /// where a position does not say (an allocation the plan does not place, a free of a
-    /// block it did not) or does not match its print, nothing is, and the detector starts
-    /// afresh.
+    /// from `live` (after the last of them), back over their sizes (`note_quiet` counts only
+    /// events whose block has its rounded size). Given back to the detector as `note` would
+    /// have left them (`Repeats::refill`); where a position does not say (an allocation the
+    /// plan does not place, a free of a block it did not) or does not match its print,
+    /// nothing is, and the detector starts afresh. Debug builds check what is given back
+    /// against a detector that noted every event.
     #[cold]
     fn plan_unskip(&mut self, i: usize, live: u64) {
         let Some(from) = self.plans.repeats.skipped_from() else {
