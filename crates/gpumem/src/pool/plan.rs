@@ -1006,10 +1006,10 @@ pub(super) struct Plans {
     /// (debug builds) a detector that notes every event as `note_large_event` does, with no
     /// quiet stretch: `plan_unskip` must give the detector back its last events as this one
     /// has them (in the unit tests, the replays of the real traces, the workload families
-    /// and the property tests: 2,921 stretches given back, every one so, none not); and
-    /// quiet stretches given back, and not
+    /// and the property tests: 2,921 stretches given back, every one so, none not)
     #[cfg(debug_assertions)]
     pub(super) shadow: repeat::Repeats,
+    /// (debug builds) quiet stretches given back to the detector, and not
     #[cfg(debug_assertions)]
     pub(super) unskipped: (u64, u64),
 }
