@@ -90,8 +90,10 @@ fn main() {
             .and_then(|r| r.parse().ok())
             .unwrap_or(1);
         let mut cfg = cfg.clone();
-        if std::env::args().nth(3).as_deref() == Some("classic") {
-            cfg.pool.expandable_segments = false;
+        match std::env::args().nth(3).as_deref() {
+            Some("classic") => cfg.pool.expandable_segments = false,
+            Some("noplan") => cfg.pool.planned_layout = false,
+            _ => {}
         }
         let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
         let w = RandomLive::standard(1, 1 << 16);
