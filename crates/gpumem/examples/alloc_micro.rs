@@ -1,5 +1,9 @@
 //! Where the time of one alloc+free goes, piece by piece (diagnostics for the benchmarks):
-//! `cargo run --release -p gpumem --example alloc_micro`.
+//! `cargo run --release -p gpumem --example alloc_micro`. One loop alone, for a profiler
+//! (callgrind: instructions per op as the difference of two repeat counts):
+//! `-- plan N` (the planned step loop of `alloc_loop.py`), `-- same N [classic]` (4 KiB
+//! same-size pairs through the pool), `-- asame N` (the same through the allocator, its lock
+//! included), `-- random N [classic|noplan]` (passes of random_256_live through the pool).
 
 use gpumem::pool::{CachingPool, Handout, SharedCounters};
 use gpumem::resource::sim::SimulatedDevice;
@@ -83,8 +87,8 @@ fn main() {
         return;
     }
     if std::env::args().nth(1).as_deref() == Some("random") {
-        // `alloc_micro random PASSES [classic]`: passes of random_256_live through the pool
-        // after 20 warm-up passes
+        // `alloc_micro random PASSES [classic|noplan]`: passes of random_256_live through the
+        // pool after 20 warm-up passes
         let passes: usize = std::env::args()
             .nth(2)
             .and_then(|r| r.parse().ok())
