@@ -26,7 +26,120 @@ fn time(name: &str, n: usize, mut f: impl FnMut()) {
     println!("{name:<40} {best:>8.1} ns");
 }
 
+/// One alloc + free of 4 KiB through `pool` (the quick cache), the block handed out by id or
+/// by token.
+#[inline(always)]
+fn same_size(pool: &mut CachingPool, handout: Handout) {
+    let a = pool
+        .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, handout)
+        .unwrap();
+    match handout {
+        Handout::Token => pool.free_by_id(a.id, a.generation).map(|_| ()),
+        _ => pool.free_block_id(a.id, a.addr),
+    }
+    .unwrap();
+}
+
+/// `random_256_live` through a pool: 256 live blocks, each op frees one and allocates another.
+struct RandomLoop {
+    w: RandomLive,
+    live: Vec<gpumem::pool::PoolAlloc>,
+    step: usize,
+}
+
+impl RandomLoop {
+    fn new(pool: &mut CachingPool) -> Self {
+        let w = RandomLive::standard(1, 1 << 16);
+        let live = (0..w.live)
+            .map(|i| {
+                pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
+                    .unwrap()
+            })
+            .collect();
+        Self { w, live, step: 0 }
+    }
+
+    #[inline(always)]
+    fn op(&mut self, pool: &mut CachingPool) {
+        let i = self.step % self.w.sizes.len();
+        self.step += 1;
+        let new = pool
+            .allocate_inner(Stream::DEFAULT, self.w.sizes[i], 256, true, Handout::Id)
+            .unwrap();
+        let old = std::mem::replace(&mut self.live[self.w.slots[i]], new);
+        pool.free_block_id(old.id, old.addr).unwrap();
+    }
+}
+
+/// `alloc_micro MODE N [VARIANT]`, one loop alone for a profiler (see the header); false
+/// where no mode is given.
+fn profile(sim: &Arc<SimulatedDevice>, cfg: &Config) -> bool {
+    let mut args = std::env::args().skip(1);
+    let Some(mode) = args.next() else {
+        return false;
+    };
+    let reps: Option<usize> = args.next().and_then(|r| r.parse().ok());
+    let mut cfg = cfg.clone();
+    match args.next().as_deref() {
+        Some("classic") => cfg.pool.expandable_segments = false,
+        Some("noplan") => cfg.pool.planned_layout = false,
+        _ => {}
+    }
+    let new_pool = || CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
+    match mode.as_str() {
+        "plan" => planned_steps(sim, &cfg, reps.unwrap_or(40)),
+        "same" => {
+            let mut pool = new_pool();
+            let n = 1_000_000 * reps.unwrap_or(1) / 5;
+            time("pool same_size, token (no lock)", n, || {
+                same_size(&mut pool, Handout::Token)
+            });
+        }
+        "asame" => {
+            let alloc = CachingAllocator::new(sim.clone(), cfg.clone()).unwrap();
+            time(
+                "allocator same_size",
+                1_000_000 * reps.unwrap_or(1) / 5,
+                || {
+                    let a = alloc
+                        .allocate(Stream::DEFAULT, black_box(4096), 256)
+                        .unwrap();
+                    alloc.deallocate(a).unwrap();
+                },
+            );
+        }
+        "random" => {
+            // passes of the workload after 20 warm-up passes (plans are made off the thread)
+            let mut pool = new_pool();
+            let mut r = RandomLoop::new(&mut pool);
+            let pass_ops = r.w.sizes.len();
+            for _ in 0..20 {
+                (0..pass_ops).for_each(|_| r.op(&mut pool));
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let passes = reps.unwrap_or(1);
+            let t = Instant::now();
+            (0..passes * pass_ops).for_each(|_| r.op(&mut pool));
+            println!(
+                "pool random_256_live, {passes} passes: {:.1} ns, planned {}",
+                t.elapsed().as_nanos() as f64 / (passes * pass_ops) as f64,
+                pool.stats().num_plan_allocs
+            );
+        }
+        other => {
+            eprintln!("alloc_micro: unknown mode {other:?} (plan, same, asame, random)");
+            std::process::exit(2);
+        }
+    }
+    true
+}
+
 fn main() {
+    let sim: Arc<SimulatedDevice> = Arc::new(SimulatedDevice::new(1 << 42));
+    let cfg = Config::from_env().unwrap();
+    if profile(&sim, &cfg) {
+        return;
+    }
     let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpu
         .lines()
@@ -34,8 +147,6 @@ fn main() {
         .unwrap_or("model name: ?");
     println!("{model}");
     let n = 2_000_000;
-    // `alloc_micro plan`: the planned step alone (for a profiler)
-    let plan_only = std::env::args().nth(1).as_deref() == Some("plan");
     let flag = AtomicBool::new(false);
     time("atomic cas + store (spin lock pair)", n, || {
         let _ =
@@ -46,107 +157,9 @@ fn main() {
     time("parking_lot lock + unlock", n, || {
         *black_box(&m).lock() += 1
     });
-    let sim: Arc<SimulatedDevice> = Arc::new(SimulatedDevice::new(1 << 42));
-    let cfg = Config::from_env().unwrap();
-    if std::env::args().nth(1).as_deref() == Some("same") {
-        // `alloc_micro same REPS`: 1e6 x REPS same-size pairs of 4 KiB (the quick cache)
-        let reps: usize = std::env::args()
-            .nth(2)
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(1);
-        let mut cfg = cfg.clone();
-        if std::env::args().nth(3).as_deref() == Some("classic") {
-            cfg.pool.expandable_segments = false;
-        }
-        let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
-        time(
-            "pool same_size, token (no lock)",
-            1_000_000 * reps / 5,
-            || {
-                let a = pool
-                    .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, Handout::Token)
-                    .unwrap();
-                pool.free_by_id(a.id, a.generation).unwrap();
-            },
-        );
-        return;
-    }
-    if std::env::args().nth(1).as_deref() == Some("asame") {
-        // `alloc_micro asame REPS`: 1e6 x REPS same-size pairs of 4 KiB through the allocator
-        let reps: usize = std::env::args()
-            .nth(2)
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(1);
-        let alloc = CachingAllocator::new(sim.clone(), cfg.clone()).unwrap();
-        time("allocator same_size", 1_000_000 * reps / 5, || {
-            let a = alloc
-                .allocate(Stream::DEFAULT, black_box(4096), 256)
-                .unwrap();
-            alloc.deallocate(a).unwrap();
-        });
-        return;
-    }
-    if std::env::args().nth(1).as_deref() == Some("random") {
-        // `alloc_micro random PASSES [classic|noplan]`: passes of random_256_live through the
-        // pool after 20 warm-up passes
-        let passes: usize = std::env::args()
-            .nth(2)
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(1);
-        let mut cfg = cfg.clone();
-        match std::env::args().nth(3).as_deref() {
-            Some("classic") => cfg.pool.expandable_segments = false,
-            Some("noplan") => cfg.pool.planned_layout = false,
-            _ => {}
-        }
-        let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
-        let w = RandomLive::standard(1, 1 << 16);
-        let mut live: Vec<_> = (0..w.live)
-            .map(|i| {
-                pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
-                    .unwrap()
-            })
-            .collect();
-        let mut step = 0usize;
-        let mut pass = |pool: &mut CachingPool| {
-            for _ in 0..w.sizes.len() {
-                let i = step % w.sizes.len();
-                step += 1;
-                let new = pool
-                    .allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
-                    .unwrap();
-                let old = std::mem::replace(&mut live[w.slots[i]], new);
-                pool.free_block_id(old.id, old.addr).unwrap();
-            }
-        };
-        for _ in 0..20 {
-            pass(&mut pool);
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let t = Instant::now();
-        for _ in 0..passes {
-            pass(&mut pool);
-        }
-        let ops = passes * w.sizes.len();
-        println!(
-            "pool random_256_live, {} passes: {:.1} ns, planned {}",
-            passes,
-            t.elapsed().as_nanos() as f64 / ops as f64,
-            pool.stats().num_plan_allocs
-        );
-        return;
-    }
-    if plan_only {
-        let reps = std::env::args().nth(2).and_then(|r| r.parse().ok());
-        planned_steps(&sim, &cfg, reps.unwrap_or(40));
-        return;
-    }
     let mut pool = CachingPool::new(sim.clone(), &cfg, Arc::new(SharedCounters::default()));
     time("pool same_size (no lock)", n, || {
-        let a = pool
-            .allocate_inner(Stream::DEFAULT, black_box(4096), 256, true, Handout::Id)
-            .unwrap();
-        pool.free_block_id(a.id, a.addr).unwrap();
+        same_size(&mut pool, Handout::Id)
     });
     let alloc = CachingAllocator::new(sim.clone(), cfg.clone()).unwrap();
     time("allocator same_size", n, || {
@@ -155,25 +168,13 @@ fn main() {
             .unwrap();
         alloc.deallocate(a).unwrap();
     });
-    let w = RandomLive::standard(1, 1 << 16);
-    let mut live: Vec<_> = (0..w.live)
-        .map(|i| {
-            pool.allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
-                .unwrap()
-        })
-        .collect();
-    let mut step = 0usize;
+    let mut r = RandomLoop::new(&mut pool);
     for _ in 0..2 {
         time("pool random_256_live (no lock)", 1 << 16, || {
-            let i = step % w.sizes.len();
-            step += 1;
-            let new = pool
-                .allocate_inner(Stream::DEFAULT, w.sizes[i], 256, true, Handout::Id)
-                .unwrap();
-            let old = std::mem::replace(&mut live[w.slots[i]], new);
-            pool.free_block_id(old.id, old.addr).unwrap();
+            r.op(&mut pool)
         });
     }
+    let (w, mut step) = (&r.w, r.step);
     let mut live: Vec<_> = (0..w.live)
         .map(|i| alloc.allocate(Stream::DEFAULT, w.sizes[i], 256).unwrap())
         .collect();
