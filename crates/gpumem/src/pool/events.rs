@@ -231,7 +231,7 @@ impl CachingPool {
             return;
         }
         let tick = self.tick;
-        let last = self.gave_back_last_of(handed_out);
+        let last = self.gave_back_last_of(|| handed_out);
         let fresh = match self.newest_checkpoint(stream) {
             None => true,
             Some((_, covers)) => last && covers < tick,
@@ -284,13 +284,15 @@ impl CachingPool {
     /// several streams: it may be destroyed now, so its frees get a fresh checkpoint.
     #[inline]
     pub(super) fn gave_back_last(&self, stream: Stream) -> bool {
-        // (the count of streams first: a pool of one stream, the common case, needs no search)
-        self.streams.len() >= 2 && self.handed_out_on(stream) == 0
+        self.gave_back_last_of(|| self.handed_out_on(stream))
     }
 
-    /// [`CachingPool::gave_back_last`] for a stream with `handed_out` blocks handed out.
-    fn gave_back_last_of(&self, handed_out: u32) -> bool {
-        self.streams.len() >= 2 && handed_out == 0
+    /// [`CachingPool::gave_back_last`] for a stream with `handed_out()` blocks handed out
+    /// (counted only where the pool has several streams: a pool of one stream, the common
+    /// case, needs no search).
+    #[inline]
+    fn gave_back_last_of(&self, handed_out: impl FnOnce() -> u32) -> bool {
+        self.streams.len() >= 2 && handed_out() == 0
     }
 
     /// Blocks handed out on `stream`.

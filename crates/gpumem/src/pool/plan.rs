@@ -965,13 +965,31 @@ impl Plan {
             self.cursor = None;
             return None;
         }
+        self.advance(c);
+        Some(c)
+    }
+
+    /// The cursor on past position `c`, matched.
+    #[inline(always)]
+    fn advance(&mut self, c: u32) {
         let next = c + 1;
         self.cursor = Some(if next as usize == self.pos.len() {
             0
         } else {
             next
         });
-        Some(c)
+    }
+
+    /// Whether the plan, in its region since the detector's event `since`, has served a
+    /// whole cycle of its events by event `events` (it is idle: see `Repeats::note`), and
+    /// whether a try at giving back its region's unused pages is due then
+    /// (`plan_settled`).
+    #[inline(always)]
+    fn idle_and_due(&self, events: u64) -> (bool, bool) {
+        let idle = self.seg != NIL && events >= self.since + self.pos.len() as u64;
+        let g = &self.give_back;
+        let due = (g.tries > 0 && events >= g.next_at) || !g.waiting.is_empty();
+        (idle, due)
     }
 }
 
@@ -1081,11 +1099,7 @@ impl CachingPool {
                             let events = self.plans.repeats.events();
                             let tick = self.tick;
                             let p = &mut self.plans.plans[i];
-                            p.cursor = Some(if c as usize + 1 == p.pos.len() {
-                                0
-                            } else {
-                                c + 1
-                            });
+                            p.advance(c);
                             p.used = tick;
                             p.taken[at.slot as usize].at = events;
                             self.stats.num_plan_allocs += 1;
@@ -1217,14 +1231,8 @@ impl CachingPool {
             return false;
         };
         let p = &self.plans.plans[i];
-        let events = self.plans.repeats.events();
-        let g = &p.give_back;
-        if p.seg == NIL
-            || events < p.since + p.pos.len() as u64
-            || (g.tries > 0 && events >= g.next_at)
-            || !g.waiting.is_empty()
-            || !self.plans.repeats.quiet()
-        {
+        let (idle, due) = p.idle_and_due(self.plans.repeats.events());
+        if !idle || due || !self.plans.repeats.quiet() {
             return false;
         }
         let idx = id as usize;
@@ -1264,12 +1272,7 @@ impl CachingPool {
         }
         let live = self.stats.allocated_large();
         let (idle, settled) = self.plans.current.map_or((false, false), |i| {
-            let p = &self.plans.plans[i];
-            let events = self.plans.repeats.events();
-            let idle = p.seg != NIL && events >= p.since + p.pos.len() as u64;
-            // (a try at giving back pages is due: see `plan_settled`)
-            let g = &p.give_back;
-            let due = (g.tries > 0 && events >= g.next_at) || !g.waiting.is_empty();
+            let (idle, due) = self.plans.plans[i].idle_and_due(self.plans.repeats.events());
             (idle, idle && due)
         });
         if settled && self.plans.plans.len() == 1 {
