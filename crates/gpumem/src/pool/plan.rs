@@ -1005,6 +1005,17 @@ impl std::fmt::Debug for Planning {
     }
 }
 
+/// What the detector is told of a free whose allocation it noted as event `born` (`NONE`:
+/// it never saw the allocation, and the free still counts as a free).
+#[inline(always)]
+fn freed_born(born: u64) -> u64 {
+    if born == NONE {
+        NONE - 1
+    } else {
+        born
+    }
+}
+
 /// The plans of one pool.
 #[derive(Debug, Default)]
 pub(super) struct Plans {
@@ -1281,9 +1292,7 @@ impl CachingPool {
         #[cfg(debug_assertions)]
         self.shadow_note(id, free, idle);
         if free {
-            let born = std::mem::replace(&mut self.plans.born[idx], NONE);
-            // a free whose allocation the detector never saw still counts as a free
-            let born = if born == NONE { NONE - 1 } else { born };
+            let born = freed_born(std::mem::replace(&mut self.plans.born[idx], NONE));
             self.plans.repeats.note(born, size, stream, live, idle);
         } else {
             let n = self.plans.repeats.note(NONE, size, stream, live, idle);
@@ -1543,11 +1552,9 @@ impl CachingPool {
         let b = &self.blocks[id as usize];
         let (size, stream) = (b.rounded, b.stream.0);
         let live = self.stats.allocated_large();
-        let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
-        let born = match (free, born) {
-            (false, _) => NONE,
-            (true, NONE) => NONE - 1,
-            (true, b) => b,
+        let born = match free {
+            true => freed_born(self.plans.born.get(id as usize).copied().unwrap_or(NONE)),
+            false => NONE,
         };
         self.plans.shadow.note(born, size, stream, live, idle);
     }
