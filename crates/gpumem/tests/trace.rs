@@ -568,7 +568,10 @@ fn the_unet_makes_its_driver_calls_in_its_first_steps_only() {
         let n = r.calls.len();
         let last = r.calls[n - 1];
         let quiet_from = r.calls.iter().position(|&c| c == last).unwrap();
-        let share = r.report.critical_path_share.expect("real traces have times");
+        let share = r
+            .report
+            .critical_path_share
+            .expect("real traces have times");
         println!(
             "lag {lag:?}: the last driver call at event {quiet_from} of {n}; {:.2}% of wall",
             share * 100.0
@@ -577,7 +580,11 @@ fn the_unet_makes_its_driver_calls_in_its_first_steps_only() {
             quiet_from * 2 < n,
             "lag {lag:?}: calls until event {quiet_from} of {n}"
         );
-        assert!(share <= 0.0149, "lag {lag:?}: {:.2}% of wall", share * 100.0);
+        assert!(
+            share <= 0.0149,
+            "lag {lag:?}: {:.2}% of wall",
+            share * 100.0
+        );
     }
 }
 

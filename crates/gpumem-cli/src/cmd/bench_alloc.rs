@@ -35,12 +35,36 @@ pub struct Row {
     /// gpumem's allocators: layouts planned by the end of the scenario, counting those of the
     /// allocator's earlier scenarios (the most of a round); 0 for the others
     pub plans: u64,
+    /// gpumem's allocators: what the timed part's driver calls were (of the round with the most),
+    /// to tell a settling pool from one that keeps moving pages
+    pub timed_call_kinds: CallKinds,
     /// gpumem's allocators: `ns_per_op` of each round (fresh allocators each round; the
     /// configured policy's and classic segments' single-thread scenarios run batch by batch
     /// in turn, see [`Paired`]); the row's `ns_per_op` is their median, `mean_ns_per_op`
     /// their mean's mean, `device_calls` and `warm_passes` their most. One entry for the
     /// other allocators.
     pub rounds: Vec<f64>,
+}
+
+/// gpumem's driver calls (and what made them) over a stretch: segments or pages mapped and
+/// unmapped, allocations that moved pages, layouts planned.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct CallKinds {
+    pub maps: u64,
+    pub unmaps: u64,
+    pub page_moves: u64,
+    pub plans: u64,
+}
+
+impl CallKinds {
+    fn since(self, before: CallKinds) -> CallKinds {
+        CallKinds {
+            maps: self.maps - before.maps,
+            unmaps: self.unmaps - before.unmaps,
+            page_moves: self.page_moves - before.page_moves,
+            plans: self.plans - before.plans,
+        }
+    }
 }
 
 /// One row per allocator and scenario from the rows of several rounds (see [`Row::rounds`]).
@@ -55,6 +79,9 @@ fn combine(rounds: Vec<Vec<Row>>) -> Vec<Row> {
             Some(i) => {
                 let o = &mut out[i];
                 o.rounds.push(r.ns_per_op);
+                if r.device_calls > o.device_calls {
+                    o.timed_call_kinds = r.timed_call_kinds;
+                }
                 o.device_calls = o.device_calls.max(r.device_calls);
                 o.warm_passes = o.warm_passes.max(r.warm_passes);
                 o.planned_share = o.planned_share.min(r.planned_share);
@@ -134,6 +161,10 @@ pub trait Api: Sync {
     /// Driver calls made so far (gpumem's statistics).
     fn device_calls(&self) -> u64 {
         0
+    }
+    /// [`Api::device_calls`] by kind, with what made them (gpumem's statistics).
+    fn call_kinds(&self) -> CallKinds {
+        CallKinds::default()
     }
     /// Whether the allocator is still settling on its own (gpumem: a planned layout being
     /// computed off the allocating thread, or made and not yet in its region).
@@ -255,6 +286,7 @@ fn in_turns(n: usize, batches: usize, mut batch: impl FnMut(usize, usize) -> f64
 struct Counters {
     calls: u64,
     plans: (u64, u64),
+    kinds: CallKinds,
 }
 
 impl Counters {
@@ -262,6 +294,7 @@ impl Counters {
         Self {
             calls: api.device_calls(),
             plans: api.plan_counts(),
+            kinds: api.call_kinds(),
         }
     }
 }
@@ -288,6 +321,7 @@ fn row_of<A: Api>(
         warm_passes,
         planned_share,
         plans,
+        timed_call_kinds: after.kinds.since(before.kinds),
         rounds: Vec::new(),
     }
 }
@@ -437,6 +471,15 @@ impl Api for Gpumem {
     fn device_calls(&self) -> u64 {
         let s = self.0.stats();
         s.num_device_alloc + s.num_device_free
+    }
+    fn call_kinds(&self) -> CallKinds {
+        let s = self.0.stats();
+        CallKinds {
+            maps: s.num_device_alloc,
+            unmaps: s.num_device_free,
+            page_moves: s.num_page_moves,
+            plans: s.num_plans,
+        }
     }
     fn settling(&self) -> bool {
         self.0.stats().plans_pending > 0
@@ -766,6 +809,13 @@ fn print(out: &BenchOut) {
         );
     }
     println!("(median ns/op: gpumem's is the median over its rounds, fresh allocators each, the two policies' single-thread scenarios batch by batch in turn; timed calls: gpumem's driver calls while timed, the most of a round; planned: gpumem's timed allocations served from a planned layout, the least of a round; warm: warm-up passes of {PASS_OPS} ops, until one made no driver call with no plan on its way; at most {MAX_WARM_PASSES}, not counting those that ended with a plan on its way, for up to {} s)", MAX_PLAN_WAIT.as_secs());
+    for r in rows.iter().filter(|r| r.device_calls > 0) {
+        let k = r.timed_call_kinds;
+        println!(
+            "{} {}: timed calls of the round with the most: {} maps, {} unmaps; {} allocations moved pages, {} layouts planned",
+            r.allocator, r.scenario, k.maps, k.unmaps, k.page_moves, k.plans
+        );
+    }
     for p in &out.paired {
         println!(
             "{} / {}, {}, batch by batch ({} batches of {BATCH} in turn): median {:.3} (95% {:.3}-{:.3})",
@@ -841,6 +891,10 @@ mod tests {
             warm_passes: warm,
             planned_share: 1.0,
             plans: 1,
+            timed_call_kinds: CallKinds {
+                maps: calls,
+                ..CallKinds::default()
+            },
             rounds: Vec::new(),
         }
     }
@@ -864,6 +918,8 @@ mod tests {
             (g.mean_ns_per_op, g.device_calls, g.warm_passes),
             (260.0, 2, 9)
         );
+        // the kinds of the round with the most calls
+        assert_eq!(g.timed_call_kinds.maps, 2);
         let c = &rows[1];
         assert_eq!((c.ns_per_op, c.device_calls, c.warm_passes), (230.0, 1, 4));
         assert_eq!(rows[2].rounds, vec![900.0]);
