@@ -1444,7 +1444,19 @@ impl CachingPool {
         let Some(pages) = self.segments[seg as usize].pages.as_deref() else {
             return Vec::new();
         };
-        // per page, the slots that use it
+        // per page up to the last a slot uses (and the handle that holds it: spans are at
+        // most MAX_SPAN pages), the slots that use it: a candidate holds a page some slot
+        // uses, so none lies above (the segment's address range is twice the device's
+        // memory: a list for each of its pages cost the allocating thread milliseconds)
+        let top = p
+            .layout
+            .slots
+            .iter()
+            .map(|&(off, size)| page_span(off, size, page).1)
+            .max()
+            .unwrap_or(0)
+            .min(n);
+        let n = (top + crate::resource::page_map::MAX_SPAN).min(n);
         let mut users: Vec<Vec<u32>> = vec![Vec::new(); n as usize];
         for (k, &(off, size)) in p.layout.slots.iter().enumerate() {
             let (a, b) = page_span(off, size, page);
@@ -1460,8 +1472,8 @@ impl CachingPool {
             k < free.len() && free[k].0 <= a && free[k].0 + free[k].1 >= b
         };
         let mut units = Vec::new();
-        let mut q = pages.next_with(0, n, true);
-        while q < n {
+        let mut q = pages.next_with(0, top, true);
+        while q < top {
             let (u0, u1) = match handle_pages(Some(vmm), base, page, q) {
                 (u0, u1) if u1 <= n => (u0, u1),
                 _ => (q, q + 1),
@@ -1477,7 +1489,7 @@ impl CachingPool {
                 slots.dedup();
                 units.push((u0, u1, slots));
             }
-            q = pages.next_with(u1.max(q + 1), n, true);
+            q = pages.next_with(u1.max(q + 1), top, true);
         }
         units
     }
