@@ -544,12 +544,12 @@ fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
 /// steps; held out from the policy, see `real_traces_with_a_lagging_gpu`) is the one real
 /// trace whose modelled driver time over the whole run passes 1% of its wall time: 1.11% with
 /// the GPU in step and 1.48% with it 3000 calls behind (growth 10.5 / 14.4 ms, moves 21.1 /
-/// 28.1 ms of a 2.87 s trace). All but 0.5 ms of it falls in the job's first three steps (the
-/// trace's first 30% of lines; its first step alone takes 1.5 s of the trace), the rest where
-/// the job's plan takes its region (the last call at 42% of the replayed events): the issue's
-/// budget holds over every window after that (no call at all there), and the whole-run share
-/// falls with every further step (1.72% / 2.35% over the first three steps). What is
-/// asserted: no driver call in the second half of the events, and the whole-run share as
+/// 28.1 ms of a 2.87 s trace). All but 0.5 ms of it falls in the trace's first 30% of lines,
+/// about the job's first three steps (its first step alone takes 1.5 s of the trace), the
+/// rest where the job's plan takes its region (the last call at 42% of the replayed events):
+/// the budget holds over every window after that (no call at all there), and the
+/// whole-run share falls with every further step (1.72% / 2.35% over that first 30%). What
+/// is asserted: no driver call in the second half of the events, and the whole-run share as
 /// measured.
 #[test]
 fn the_unet_makes_its_driver_calls_in_its_first_steps_only() {
