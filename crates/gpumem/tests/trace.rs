@@ -517,27 +517,34 @@ fn pytorch_fixed_shape_gpt_as_benchmarked() {
 /// steps, whether the GPU keeps up or runs 3000 calls behind.
 #[test]
 fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
-    use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};
-    let events = read_trace(&data("torch_gptfix_train.jsonl.gz")).unwrap();
     for lag in [None, Some(3000)] {
-        let r = replay_simulated_at(
-            "gpumem",
-            &events,
-            &Config::default(),
-            SIM_CAPACITY,
-            lag,
-            CostModel::default(),
-        )
-        .unwrap();
-        let n = r.calls.len();
-        let last = r.calls[n - 1];
-        let quiet_from = r.calls.iter().position(|&c| c == last).unwrap();
+        let (_, quiet_from, n) = last_driver_call("torch_gptfix_train.jsonl.gz", lag);
         println!("lag {lag:?}: the last driver call at event {quiet_from} of {n}");
         assert!(
             quiet_from * 10 < n * 6,
             "lag {lag:?}: calls until event {quiet_from} of {n}"
         );
     }
+}
+
+/// Trace `name` replayed with the default policy, the GPU `lag` calls behind: the replay, the
+/// replayed event at which its last driver call was made, and how many events it replayed.
+fn last_driver_call(name: &str, lag: Option<u64>) -> (gpumem::trace::Replay, usize, usize) {
+    use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};
+    let events = read_trace(&data(name)).unwrap();
+    let r = replay_simulated_at(
+        "gpumem",
+        &events,
+        &Config::default(),
+        SIM_CAPACITY,
+        lag,
+        CostModel::default(),
+    )
+    .unwrap();
+    let n = r.calls.len();
+    let last = r.calls[n - 1];
+    let quiet_from = r.calls.iter().position(|&c| c == last).unwrap();
+    (r, quiet_from, n)
 }
 
 /// The UNet of `scripts/bench_torch.py` (recorded on an H200 with the native allocator, 12
@@ -553,21 +560,8 @@ fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
 /// measured.
 #[test]
 fn the_unet_makes_its_driver_calls_in_its_first_steps_only() {
-    use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};
-    let events = read_trace(&data("torch_unet_train.jsonl.gz")).unwrap();
     for lag in [None, Some(3000)] {
-        let r = replay_simulated_at(
-            "gpumem",
-            &events,
-            &Config::default(),
-            SIM_CAPACITY,
-            lag,
-            CostModel::default(),
-        )
-        .unwrap();
-        let n = r.calls.len();
-        let last = r.calls[n - 1];
-        let quiet_from = r.calls.iter().position(|&c| c == last).unwrap();
+        let (r, quiet_from, n) = last_driver_call("torch_unet_train.jsonl.gz", lag);
         let share = r
             .report
             .critical_path_share
