@@ -118,12 +118,16 @@ fn profile(sim: &Arc<SimulatedDevice>, cfg: &Config) -> bool {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
             let passes = reps.unwrap_or(1);
+            let before = sim.counters();
             let t = Instant::now();
             (0..passes * pass_ops).for_each(|_| r.op(&mut pool));
+            let after = sim.counters();
             println!(
-                "pool random_256_live, {passes} passes: {:.1} ns, planned {}",
+                "pool random_256_live, {passes} passes: {:.1} ns, planned {}, maps {} and unmaps {} while timed",
                 t.elapsed().as_nanos() as f64 / (passes * pass_ops) as f64,
-                pool.stats().num_plan_allocs
+                pool.stats().num_plan_allocs,
+                after.maps - before.maps,
+                after.unmaps - before.unmaps
             );
         }
         other => {
