@@ -1112,17 +1112,17 @@ impl CachingPool {
                         && at.slot != NO_SLOT
                         && p.seg != NIL
                     {
+                        let tick = self.tick;
+                        let p = &mut self.plans.plans[i];
+                        p.advance(c);
+                        p.used = tick;
                         if let Some(id) = self.plan_take_again(i, at.slot, size) {
                             let events = self.plans.repeats.events();
-                            let tick = self.tick;
-                            let p = &mut self.plans.plans[i];
-                            p.advance(c);
-                            p.used = tick;
-                            p.taken[at.slot as usize].at = events;
+                            self.plans.plans[i].taken[at.slot as usize].at = events;
                             self.stats.num_plan_allocs += 1;
                             return Some(id);
                         }
-                        return self.plan_alloc_carved(i, c, at.slot, size);
+                        return self.plan_alloc_carved(i, at.slot, size);
                     }
                 }
             }
@@ -1131,16 +1131,13 @@ impl CachingPool {
     }
 
     /// [`CachingPool::plan_alloc`] where the job's event is the plan's next (its print
-    /// matched at position `c`, whose slot `slot` is in the region) but the slot's block is
-    /// not free as it was left (slots whose lives never meet share bytes): carved from the
+    /// matched, the cursor moved past it, its slot `slot` is in the region) but the slot's
+    /// block is not free as it was left (slots whose lives never meet share bytes): carved from the
     /// region without looking at the position again (`plan_alloc_slow`, which did, cost
     /// `random_256_live` 14 of its 1,294 instructions an operation on the simulated device).
     #[inline(never)]
-    fn plan_alloc_carved(&mut self, i: usize, c: u32, slot: u32, size: u64) -> Option<u32> {
-        let tick = self.tick;
+    fn plan_alloc_carved(&mut self, i: usize, slot: u32, size: u64) -> Option<u32> {
         let p = &mut self.plans.plans[i];
-        p.advance(c);
-        p.used = tick;
         let (off, bytes) = p.layout.slots[slot as usize];
         if bytes != size {
             // the low half of another event's print: not the plan's event after all (as in
@@ -1367,20 +1364,22 @@ impl CachingPool {
     /// back) closes the window (`plan_quiet_close`), and debug builds check the window
     /// against the five questions at every quiet event.
     fn plan_quiet_window(&mut self) {
-        self.plans.quiet_until = 0;
-        let Some(i) = self.plans.current else {
-            return;
-        };
-        let p = &self.plans.plans[i];
+        (self.plans.quiet_until, self.plans.quiet_since) =
+            self.quiet_window_now().unwrap_or((0, 0));
+    }
+
+    /// The five questions of [`CachingPool::plan_quiet_window`] asked now: where all answer
+    /// quiet, the event at which one stops doing so, and the current plan's `since`.
+    fn quiet_window_now(&self) -> Option<(u64, u64)> {
+        let p = &self.plans.plans[self.plans.current?];
         let (idle, due) = p.idle_and_due(self.plans.repeats.events());
         if !idle || due || !self.plans.repeats.quiet() {
-            return;
+            return None;
         }
         // (idle stays so while the plan holds its region; a try at giving back comes due at
         // `next_at`, while tries are left)
         let g = &p.give_back;
-        self.plans.quiet_until = if g.tries > 0 { g.next_at } else { u64::MAX };
-        self.plans.quiet_since = p.since;
+        Some((if g.tries > 0 { g.next_at } else { u64::MAX }, p.since))
     }
 
     /// Close `note_quiet`'s window (see [`CachingPool::plan_quiet_window`]).
@@ -1393,16 +1392,11 @@ impl CachingPool {
     /// for give what the window says.
     #[cfg(debug_assertions)]
     fn check_quiet_window(&self) {
-        let i = self
-            .plans
-            .current
-            .expect("a quiet window without a current plan");
-        let p = &self.plans.plans[i];
-        let (idle, due) = p.idle_and_due(self.plans.repeats.events());
+        let now = self.quiet_window_now();
         assert!(
-            idle && !due && self.plans.repeats.quiet() && p.since == self.plans.quiet_since,
-            "a quiet window left open: idle {idle}, due {due}, quiet {}",
-            self.plans.repeats.quiet()
+            now.is_some_and(|(_, since)| since == self.plans.quiet_since),
+            "a quiet window left open: now {now:?}, since {}",
+            self.plans.quiet_since
         );
     }
 
