@@ -734,6 +734,51 @@ fn dropping_the_device_stops_the_page_worker_and_frees_every_page() {
     );
 }
 
+/// Pages mapped ahead (a planned region's split: `VirtualMemory::map_ahead`) are made on the
+/// page engine's thread: its calls count as that thread's, a call over the range meanwhile
+/// waits for them, and once `wait_mapped` has returned the memory is there (written and read
+/// back).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pages_mapped_ahead_are_made_on_the_engines_thread() {
+    use gpumem::Resource;
+    let g = gpu();
+    let dev = gpumem::resource::cuda::CudaDevice::new(0).unwrap();
+    let v = dev.virtual_memory().expect("virtual memory");
+    let page = v.page_size();
+    let base = v.reserve_address(64 * page).unwrap();
+    // a handle of 8 pages split as a plan's give-back splits one: unmapped whole, then 3 of
+    // its pages mapped again, ahead
+    v.map(base, 8 * page).unwrap();
+    v.unmap(base, 8 * page).unwrap();
+    let before = v.calls();
+    let (a, bytes) = (base + 2 * page, 3 * page);
+    v.map_ahead(a, bytes, Stream::DEFAULT).unwrap();
+    v.wait_mapped(a, bytes, Stream::DEFAULT).unwrap();
+    let c = v.calls();
+    println!("before {before:?}\nafter {c:?}");
+    assert_eq!(c.foreground, before.foreground, "calls on this thread");
+    assert!(c.creates_background > before.creates_background);
+    assert!(c.maps_background > before.maps_background);
+    assert!(c.set_access_background > before.set_access_background);
+    g.ctx.bind_to_thread().unwrap();
+    let words = (bytes / 4) as usize;
+    let mut host = vec![0u32; words];
+    // SAFETY: `[a, a + bytes)` is mapped with read-write access (waited for above).
+    unsafe {
+        cudarc::driver::result::memset_d8_sync(a, 0x5a, bytes as usize).unwrap();
+        cudarc::driver::result::memcpy_dtoh_sync(&mut host, a).unwrap();
+    }
+    assert!(host.iter().all(|&w| w == 0x5a5a_5a5a));
+    // a map made ahead and unmapped at once: the unmap waits for it
+    v.map_ahead(base + 10 * page, 4 * page, Stream::DEFAULT)
+        .unwrap();
+    v.unmap(base + 10 * page, 4 * page).unwrap();
+    v.unmap(a, bytes).unwrap();
+    v.trim();
+    v.release_address(base, 64 * page).unwrap();
+}
+
 /// Set in the child process of the next test: take this many MiB of device memory, say so,
 /// and hold it until stdin closes.
 const HOG_ENV: &str = "GPUMEM_TEST_HOG_MIB";

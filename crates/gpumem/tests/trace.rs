@@ -809,3 +809,69 @@ fn the_report_counts_free_pages_no_move_can_take_at_the_peak() {
     let r = replay("t", &events, &classic, TIB).unwrap();
     assert_eq!((r.movable_at_peak, r.stranded_at_peak), (0, 0));
 }
+
+/// A plan gives its region's unused pages back by splitting handles (see above): each is
+/// unmapped whole and the pages its slots use are mapped again. Those maps are made ahead,
+/// off the allocating thread (`VirtualMemory::map_ahead`: the CUDA engine's worker makes
+/// them), and no block is handed out on such pages before the pool has waited for them
+/// (`check_invariants`, every 8th event). So the allocating thread's last driver call comes
+/// in the plan's first cycle (its region filled where the dynamic layout had not mapped),
+/// before the give-back's, which are all the resource thread's.
+#[test]
+fn a_plans_give_back_maps_its_pages_off_the_allocating_thread() {
+    use gpumem::resource::sim::SimulatedDevice;
+    use gpumem::{CachingAllocator, Stream};
+    use std::sync::Arc;
+    for name in [
+        "torch_vit_train.jsonl.gz",
+        "torch_gptfix_train.jsonl.gz",
+        "gpt_train.jsonl.gz",
+    ] {
+        let events = read_trace(&data(name)).unwrap();
+        let sim = Arc::new(SimulatedDevice::new(TIB));
+        let config = Config {
+            shards: Some(1),
+            ..Config::default()
+        };
+        let alloc = CachingAllocator::new(sim.clone(), config).unwrap();
+        let mut live = std::collections::HashMap::new();
+        // (the event of the allocating thread's last call, and of the resource thread's)
+        let (mut fg, mut bg) = ((0, 0), (0, 0));
+        for (i, e) in events.iter().enumerate() {
+            match e.action {
+                Action::Alloc => {
+                    sim.set_time_us(e.time_us);
+                    let a = alloc
+                        .allocate(Stream(e.stream), e.size.max(1) as usize, 512)
+                        .unwrap();
+                    live.insert(e.addr, a);
+                }
+                Action::FreeCompleted => {
+                    sim.set_time_us(e.time_us);
+                    alloc.deallocate(live.remove(&e.addr).unwrap()).unwrap();
+                }
+                _ => continue,
+            }
+            let s = alloc.stats();
+            if s.vmm_calls_foreground > fg.1 {
+                fg = (i, s.vmm_calls_foreground);
+            }
+            if s.vmm_calls_background > bg.1 {
+                bg = (i, s.vmm_calls_background);
+            }
+            if i % 8 == 0 {
+                alloc.check_invariants().unwrap();
+            }
+        }
+        let c = gpumem::resource::VirtualMemory::calls(&*sim);
+        let n = events.len();
+        println!(
+            "{name}: the last call on the allocating thread at event {} of {n}, on the \
+             resource's at {}; {} handles created there",
+            fg.0, bg.0, c.creates_background
+        );
+        assert!(c.creates_background > 0, "{name}: nothing mapped ahead");
+        assert!(fg.0 < bg.0, "{name}: {} against {}", fg.0, bg.0);
+        assert!(fg.0 * 2 < n, "{name}: {} of {n}", fg.0);
+    }
+}

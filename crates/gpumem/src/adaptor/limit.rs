@@ -171,6 +171,21 @@ impl VirtualMemory for Limit {
             .inspect_err(|_| self.refund(bytes))
     }
 
+    fn map_ahead(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let vmm = self.inner_vmm()?;
+        self.charge(bytes)?;
+        vmm.map_ahead(addr, bytes, stream)
+            .inspect_err(|_| self.refund(bytes))
+    }
+
+    fn wait_mapped(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        // (charged when it was made ahead; a range that could not be mapped after all is not
+        // the caller's)
+        self.inner_vmm()?
+            .wait_mapped(addr, bytes, stream)
+            .inspect_err(|_| self.refund(bytes))
+    }
+
     fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         // the memory is the stream's to map again at once: the budget counts it free now
         self.inner_vmm()?.unmap_after(addr, bytes, stream, busy)?;

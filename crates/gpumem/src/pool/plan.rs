@@ -861,6 +861,11 @@ pub(super) struct Plan {
     /// what its offsets were last placed around at its start (`plan_place_at_start`): the
     /// ranges of the blocks in the way and the blocks pinned where they are
     placed_around: Option<Around>,
+    /// runs of its region's pages (first, pages) mapped ahead by the resource's thread
+    /// (`plan_split`) and not yet known made: counted as mapped, but no block there is
+    /// handed out before `plan_ahead_ready` (their slots' `taken` blocks are `NIL`, so that
+    /// only `plan_carve` takes them, and it asks first)
+    ahead: Vec<(u64, u64)>,
 }
 
 /// A slot's last taking (see [`Plan::taken`]): when, and the block and its address (while
@@ -938,6 +943,7 @@ impl Plan {
                 slots
             ],
             placed_around: None,
+            ahead: Vec::new(),
         }
     }
 
@@ -1421,6 +1427,9 @@ impl CachingPool {
         let Some(i) = self.plans.current else {
             return;
         };
+        if !self.plans.plans[i].ahead.is_empty() {
+            self.plan_ahead_ready(i, None);
+        }
         let events = self.plans.repeats.events();
         let (stream, cycle) = {
             let p = &self.plans.plans[i];
@@ -1576,13 +1585,16 @@ impl CachingPool {
 
     /// Split the handles `units` of plan `i`'s region (see `plan_split_candidates`), which the
     /// GPU is done with (see `plan_split_waiting`): each is unmapped and the pages its slots
-    /// use are mapped again, in runs, so that the rest stays unmapped.
+    /// use are mapped again, in runs, so that the rest stays unmapped. The maps are made
+    /// ahead, on the resource's thread (the slots wait for them: `plan_ahead_ready`), unless
+    /// hooks hear of mapped pages (they may act on them at once).
     fn plan_split(&mut self, i: usize, units: Vec<(u64, u64, Vec<u32>)>) {
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let (seg, stream) = (self.plans.plans[i].seg, self.plans.plans[i].layout.stream);
         if seg == NIL {
             return;
         }
+        let ahead = !self.shared.heard();
         let base = self.segments[seg as usize].addr;
         for (u0, u1, slots) in units {
             let p = &self.plans.plans[i];
@@ -1603,14 +1615,65 @@ impl CachingPool {
                 }
                 let end = (k..used.len()).find(|&j| !used[j]).unwrap_or(used.len());
                 let (first, n) = (u0 + k as u64, (end - k) as u64);
-                let r = self
-                    .vmm()
-                    .and_then(|v| v.map_on(base + first * page, n * page, stream));
+                let (a, bytes) = (base + first * page, n * page);
+                let r = self.vmm().and_then(|v| {
+                    if ahead {
+                        v.map_ahead(a, bytes, stream)
+                    } else {
+                        v.map_on(a, bytes, stream)
+                    }
+                });
                 if r.is_ok() {
                     self.note_mapped(seg, first, n, true);
+                    if ahead {
+                        self.plans.plans[i].ahead.push((first, n));
+                    }
                 }
                 // (a page left unmapped is mapped when its slot is next taken: `plan_map`)
                 k = end;
+            }
+            if ahead {
+                // (taken again only through `plan_carve`, which waits for the maps)
+                for &k in &slots {
+                    self.plans.plans[i].taken[k as usize].block = NIL;
+                }
+            }
+        }
+    }
+
+    /// The maps plan `i`'s region had made ahead (`plan_split`) over its pages `[lo, hi)`
+    /// (`None`: all) are made: waited for where they are not yet (the resource's thread
+    /// makes them within a millisecond or so of the split, and a slot there is taken a step
+    /// later, mostly). One that could not be made leaves its pages unmapped, for `plan_map`
+    /// to map when a slot there is taken.
+    #[cold]
+    #[inline(never)]
+    fn plan_ahead_ready(&mut self, i: usize, pages: Option<(u64, u64)>) {
+        let (lo, hi) = pages.unwrap_or((0, u64::MAX));
+        let all = std::mem::take(&mut self.plans.plans[i].ahead);
+        let (runs, rest): (Vec<_>, Vec<_>) =
+            all.into_iter().partition(|&(f, n)| f < hi && lo < f + n);
+        self.plans.plans[i].ahead = rest;
+        let (seg, stream) = (self.plans.plans[i].seg, self.plans.plans[i].layout.stream);
+        if runs.is_empty() || seg == NIL {
+            return;
+        }
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let base = self.segments[seg as usize].addr;
+        for (first, n) in runs {
+            let r = self
+                .vmm()
+                .and_then(|v| v.wait_mapped(base + first * page, n * page, stream));
+            if let Err(e) = r {
+                tracing::warn!("gpumem: pages mapped ahead could not be mapped: {e}");
+                let still = self.segments[seg as usize]
+                    .pages
+                    .as_deref()
+                    .map(|p| p.runs(first, first + n, true))
+                    .unwrap_or_default();
+                for (f, m) in still {
+                    self.note_mapped(seg, f, m, false);
+                }
             }
         }
     }
@@ -2069,6 +2132,9 @@ impl CachingPool {
     /// in its stream's order; returns the bytes unmapped. Only when memory would otherwise
     /// pass its high-water mark: the region's own maps, or the dynamic pool's, take them.
     pub(super) fn plan_trim(&mut self, i: usize, want: u64) -> u64 {
+        if !self.plans.plans[i].ahead.is_empty() {
+            self.plan_ahead_ready(i, None);
+        }
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let p = &self.plans.plans[i];
         let (seg, stream) = (p.seg, p.layout.stream);
@@ -2206,6 +2272,10 @@ impl CachingPool {
     /// `plan_take_again`'s few instructions.)
     #[inline(never)]
     fn plan_carve(&mut self, i: usize, off: u64, size: u64) -> Option<u32> {
+        if !self.plans.plans[i].ahead.is_empty() {
+            let page = self.policy.page.unwrap_or(MIN_BLOCK);
+            self.plan_ahead_ready(i, Some(page_span(off, size, page)));
+        }
         let seg = self.plans.plans[i].seg;
         let base = self.segments[seg as usize].addr;
         let addr = base + off;
@@ -2355,6 +2425,8 @@ impl CachingPool {
     /// handed out come back there. The plan stays, dormant, until the job is in step with it
     /// again and it is taken up anew.
     fn plan_leave(&mut self, i: usize) {
+        // (the dynamic pool hands out what it finds mapped there)
+        self.plan_ahead_ready(i, None);
         self.plan_quiet_close();
         if self.plans.current == Some(i) {
             self.plans.current = None;
@@ -2468,6 +2540,20 @@ impl CachingPool {
                 return Err(format!(
                     "plan {i}'s index of its region's blocks is out of date"
                 ));
+            }
+            // no block is handed out on pages mapped ahead that it has not waited for
+            let page = self.policy.page.unwrap_or(MIN_BLOCK);
+            let mut id = self.segments[p.seg as usize].head;
+            while id != NIL {
+                let b = &self.blocks[id as usize];
+                let (lo, hi) = page_span(b.addr - base, b.size, page);
+                if b.state != State::Free && p.ahead.iter().any(|&(f, n)| f < hi && lo < f + n) {
+                    return Err(format!(
+                        "block {:#x} handed out on pages mapped ahead and not waited for",
+                        b.addr
+                    ));
+                }
+                id = b.next;
             }
         }
         let planned = self

@@ -238,6 +238,22 @@ pub trait VirtualMemory: Send + Sync {
         let _ = stream;
         self.map(addr, bytes)
     }
+    /// [`VirtualMemory::map_on`] made off the caller's thread, where the resource has a
+    /// thread of its own: the range is the caller's as mapped from now on (other calls over
+    /// it wait until it is made), but no work may touch it before
+    /// [`VirtualMemory::wait_mapped`] over the same range has returned. For memory the caller
+    /// will need again soon but not at once (a planned region's pages mapped again after a
+    /// split). By default `map_on`, done when it returns.
+    fn map_ahead(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        self.map_on(addr, bytes, stream)
+    }
+    /// Wait until the map made ahead over `[addr, addr + bytes)` (as it was given to
+    /// [`VirtualMemory::map_ahead`]) is made. Where it failed, it is made now; an error says
+    /// that failed too, and the range is not mapped. By default nothing to wait for.
+    fn wait_mapped(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let _ = (addr, bytes, stream);
+        Ok(())
+    }
     /// A move of pages for `stream` ([`VirtualMemory::unmap_after`] then one or more
     /// [`VirtualMemory::map_on`]) is complete: memory it unmapped that no map took is free for
     /// anyone (beyond a small cap, given back). By default nothing to do.
@@ -277,10 +293,16 @@ pub struct VmmCalls {
     pub background: u64,
     /// physical handles created (cuMemCreate)
     pub creates: u64,
+    /// of those, created on the resource's own thread (maps made ahead)
+    pub creates_background: u64,
     /// mappings made (cuMemMap; a handle spans one page or a run of them)
     pub maps: u64,
+    /// of those, made on the resource's own thread (maps made ahead)
+    pub maps_background: u64,
     /// access set (cuMemSetAccess, one per mapped range)
     pub set_access: u64,
+    /// of those, set on the resource's own thread (maps made ahead)
+    pub set_access_background: u64,
     /// mappings unmapped (cuMemUnmap)
     pub unmaps: u64,
     /// of those, mappings unmapped on the resource's own thread

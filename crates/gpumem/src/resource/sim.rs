@@ -89,8 +89,8 @@ impl CostModel {
     /// µs the allocating thread spends in the page calls `c` (creates, maps, access, unmaps
     /// on that thread, event records, waits for the GPU).
     pub fn vmm_foreground_us(&self, c: &VmmCalls) -> f64 {
-        c.creates as f64 * self.create_us
-            + c.maps as f64 * (self.map_us + self.set_access_us)
+        (c.creates - c.creates_background) as f64 * self.create_us
+            + (c.maps - c.maps_background) as f64 * (self.map_us + self.set_access_us)
             + (c.unmaps - c.unmaps_background) as f64 * self.unmap_us
             + c.records as f64 * self.record_us
             + c.waits as f64 * self.sync_stall_us
@@ -469,6 +469,12 @@ impl VirtualMemory for SimulatedDevice {
         self.map_for(addr, bytes, Some(stream.0))
     }
 
+    /// As a CUDA engine's worker maps ahead: done at once (the simulated GPU sees nothing
+    /// until the pool hands the pages out), its calls counted off the allocating thread.
+    fn map_ahead(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        self.map_calls(addr, bytes, Some(stream.0), true)
+    }
+
     fn unit_at(&self, addr: DevPtr) -> Option<(DevPtr, u64)> {
         self.state.lock().pages.unit_at(addr)
     }
@@ -551,11 +557,16 @@ impl VirtualMemory for SimulatedDevice {
 
 impl SimulatedDevice {
     fn map_for(&self, addr: DevPtr, bytes: u64, stream: Option<u64>) -> Result<()> {
+        self.map_calls(addr, bytes, stream, false)
+    }
+
+    /// A map, its calls made on the allocating thread or (`ahead`) off it.
+    fn map_calls(&self, addr: DevPtr, bytes: u64, stream: Option<u64>, ahead: bool) -> Result<()> {
         let mut s = self.state.lock();
         check_pages(&s, addr, bytes, false)?;
         s.settle_moves(false);
         let plan = s.pages.plan_map(addr, bytes, stream)?;
-        s.evict(&plan.evict, true);
+        s.evict(&plan.evict, !ahead);
         s.pages.evicted(&plan);
         let new = plan.fresh.iter().filter(|f| f.2.is_none()).count() as u64;
         let new_pages = plan.created_pages();
@@ -574,7 +585,12 @@ impl SimulatedDevice {
             }
             let pages: u64 = made.iter().map(|m| m.1).sum();
             s.driver.creates += made.len() as u64;
-            s.driver.foreground += made.len() as u64;
+            if ahead {
+                s.driver.creates_background += made.len() as u64;
+                s.driver.background += made.len() as u64;
+            } else {
+                s.driver.foreground += made.len() as u64;
+            }
             s.handles += made.len() as u64;
             s.used += pages * s.pages.page();
             let ids: Vec<u64> = made.iter().map(|m| m.0).collect();
@@ -590,7 +606,7 @@ impl SimulatedDevice {
                 s.next_handle
             })
             .collect();
-        s.record_map(&plan, new);
+        s.record_map(&plan, new, ahead);
         let excess = s.pages.commit(plan, &created);
         s.handles += new;
         s.used += new_pages * s.pages.page();
@@ -603,7 +619,7 @@ impl SimulatedDevice {
 impl SimState {
     /// Count the calls of a planned map: a create per new handle, a map per fresh mapping, a
     /// set-access per run of adjacent fresh mappings.
-    fn record_map(&mut self, plan: &MapPlan, created: u64) {
+    fn record_map(&mut self, plan: &MapPlan, created: u64, ahead: bool) {
         let fresh = plan.fresh.len() as u64;
         let runs =
             page_map::runs(plan.fresh.iter().map(|f| (f.0, f.1)), self.pages.page()).len() as u64;
@@ -612,7 +628,14 @@ impl SimState {
         d.maps += fresh;
         d.set_access += runs;
         d.reused += plan.reused.len() as u64;
-        d.foreground += created + fresh + runs;
+        if ahead {
+            d.creates_background += created;
+            d.maps_background += fresh;
+            d.set_access_background += runs;
+            d.background += created + fresh + runs;
+        } else {
+            d.foreground += created + fresh + runs;
+        }
     }
 
     /// Unmap lingering pages (on the allocating thread: `foreground`), waiting for the events

@@ -187,6 +187,26 @@ impl VirtualMemory for CudaDevice {
         self.map_for(addr, bytes, Some(stream))
     }
 
+    fn map_ahead(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        let pages = self.pages()?;
+        let page = pages.page();
+        if addr % page != 0 || bytes % page != 0 || bytes == 0 {
+            return Err(Error::InvalidAlignment {
+                align: page as usize,
+                max: page as usize,
+            });
+        }
+        self.ops.bind()?;
+        let peers = self.peers.read().clone();
+        pages.map_ahead(addr, bytes, &peers, stream)
+    }
+
+    fn wait_mapped(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
+        self.ops.bind()?;
+        let peers = self.peers.read().clone();
+        self.pages()?.wait_mapped(addr, bytes, &peers, stream)
+    }
+
     fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {
         self.ops.bind()?;
         self.pages()?.unmap_after(addr, bytes, stream, busy)
@@ -243,7 +263,9 @@ impl PeerAccess for CudaDevice {
             return Ok(());
         }
         self.peers.write().push(peer);
-        // pages mapped so far, in runs of adjacent pages
+        // pages mapped so far (maps made ahead for the peers before finished first), in runs
+        // of adjacent pages
+        engine.wait_all_ahead();
         let page = engine.page();
         let mut pages = engine.mapped_pages();
         pages.sort_unstable();

@@ -28,7 +28,7 @@
 //! the device's recommended granularity.
 
 use super::*;
-use crate::resource::page_map::{runs, Evict, PageMap, Release};
+use crate::resource::page_map::{runs, Evict, MapPlan, PageMap, Release};
 use crate::resource::VmmCalls;
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +43,14 @@ enum Job {
     Release(Vec<Release>),
     /// a move in stream order: once `event` has completed, what `stream` kept is spare
     Settle { stream: u64, event: usize },
+    /// a map made ahead of need ([`Pages::map_ahead`]): `plan`'s calls for `[addr, addr +
+    /// bytes)`, whose pages the state lists as `ahead` until they are made
+    Ahead {
+        addr: DevPtr,
+        bytes: u64,
+        plan: MapPlan,
+        peers: Vec<usize>,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -62,6 +70,19 @@ struct State {
     stop: bool,
     /// the worker thread could not be started: jobs run inline
     no_worker: bool,
+    /// pages of maps made ahead that the worker has not made yet: a call over them waits
+    ahead: rustc_hash::FxHashSet<DevPtr>,
+    /// maps made ahead that failed, `(first page, bytes, why)`, until `wait_mapped` asks
+    ahead_failed: Vec<(DevPtr, u64, Error)>,
+}
+
+impl State {
+    /// Whether any page of `[addr, addr + bytes)` is being mapped ahead.
+    fn ahead_in(&self, addr: DevPtr, bytes: u64) -> bool {
+        !self.ahead.is_empty()
+            && (0..bytes / self.map.page())
+                .any(|i| self.ahead.contains(&(addr + i * self.map.page())))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +90,10 @@ struct Counters {
     creates: AtomicU64,
     maps: AtomicU64,
     set_access: AtomicU64,
+    /// of those three, the calls of maps made ahead (on the worker)
+    creates_bg: AtomicU64,
+    maps_bg: AtomicU64,
+    access_bg: AtomicU64,
     unmaps_fg: AtomicU64,
     unmaps_bg: AtomicU64,
     releases_fg: AtomicU64,
@@ -211,10 +236,17 @@ impl Pages {
                 + get(&c.unmaps_fg)
                 + get(&c.releases_fg)
                 + get(&c.records),
-            background: get(&c.unmaps_bg) + get(&c.releases_bg),
-            creates: get(&c.creates),
-            maps: get(&c.maps),
-            set_access: get(&c.set_access),
+            background: get(&c.unmaps_bg)
+                + get(&c.releases_bg)
+                + get(&c.creates_bg)
+                + get(&c.maps_bg)
+                + get(&c.access_bg),
+            creates: get(&c.creates) + get(&c.creates_bg),
+            creates_background: get(&c.creates_bg),
+            maps: get(&c.maps) + get(&c.maps_bg),
+            maps_background: get(&c.maps_bg),
+            set_access: get(&c.set_access) + get(&c.access_bg),
+            set_access_background: get(&c.access_bg),
             unmaps: get(&c.unmaps_fg) + get(&c.unmaps_bg),
             unmaps_background: get(&c.unmaps_bg),
             releases: get(&c.releases_fg) + get(&c.releases_bg),
@@ -242,25 +274,142 @@ impl Pages {
         peers: &[usize],
         stream: Option<Stream>,
     ) -> Result<()> {
-        let page = self.page;
-        let c = &self.counters;
-        let mut t = Instant::now();
-        // time since `t`, added to `counter`; `t` restarts
-        let mut lap = |counter: &AtomicU64| {
-            let now = Instant::now();
-            counter.fetch_add(now.duration_since(t).as_nanos() as u64, Ordering::Relaxed);
-            t = now;
-        };
+        let t = Instant::now();
         let plan = {
             let mut st = self.state.lock();
-            // pages the worker is unmapping now (released handles) must be gone first
-            while st.map.unmapping_in(addr, bytes) {
-                self.counters.waits.fetch_add(1, Ordering::Relaxed);
-                self.done.wait(&mut st);
-            }
+            // pages the worker is unmapping now (released handles) or mapping ahead must be
+            // done first
+            self.wait_for_worker(&mut st, addr, bytes);
             st.map.plan_map(addr, bytes, stream.map(|s| s.0))?
         };
-        lap(&c.wait_ns);
+        self.counters
+            .wait_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.make(plan, peers, false)
+    }
+
+    /// Map `[addr, addr + bytes)` (page-aligned, not in use) for work on `stream` as
+    /// [`Pages::map`] does, on the worker: the pages are planned now (a later call over any of
+    /// them waits until the worker has made them) and the caller counts them as mapped, but
+    /// no work may touch them before [`Pages::wait_mapped`] over them has returned. Inline
+    /// where there is no worker.
+    pub(super) fn map_ahead(
+        &self,
+        addr: DevPtr,
+        bytes: u64,
+        peers: &[usize],
+        stream: Stream,
+    ) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.no_worker {
+            drop(st);
+            return self.map(addr, bytes, peers, Some(stream));
+        }
+        // (pages being unmapped there, by a release the worker has queued or is making, are
+        // gone before this job runs: the worker runs releases first, in order)
+        while st.ahead_in(addr, bytes) {
+            self.done.wait(&mut st);
+        }
+        let plan = st.map.plan_map(addr, bytes, Some(stream.0))?;
+        st.ahead
+            .extend((0..bytes / self.page).map(|i| addr + i * self.page));
+        let job = Job::Ahead {
+            addr,
+            bytes,
+            plan,
+            peers: peers.to_vec(),
+        };
+        self.enqueue(st, job);
+        Ok(())
+    }
+
+    /// Wait until the maps made ahead over `[addr, addr + bytes)` (as [`Pages::map_ahead`]
+    /// was given it) are made; where one failed, it is tried again here, and its error
+    /// returned if it fails again (the range is then not mapped).
+    pub(super) fn wait_mapped(
+        &self,
+        addr: DevPtr,
+        bytes: u64,
+        peers: &[usize],
+        stream: Stream,
+    ) -> Result<()> {
+        let t = Instant::now();
+        let failed = {
+            let mut st = self.state.lock();
+            if st.ahead_in(addr, bytes) {
+                self.counters.waits.fetch_add(1, Ordering::Relaxed);
+                while st.ahead_in(addr, bytes) {
+                    self.done.wait(&mut st);
+                }
+                self.counters
+                    .wait_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            let k = st
+                .ahead_failed
+                .iter()
+                .position(|f| f.0 < addr + bytes && addr < f.0 + f.1);
+            k.map(|k| st.ahead_failed.swap_remove(k))
+        };
+        match failed {
+            None => Ok(()),
+            Some((a, b, e)) => {
+                tracing::warn!("gpumem: a map made ahead failed ({e}): mapping it now");
+                self.map(a, b, peers, Some(stream))
+            }
+        }
+    }
+
+    /// Every map made ahead is made (before a peer is granted access to the pages mapped).
+    pub(super) fn wait_all_ahead(&self) {
+        let mut st = self.state.lock();
+        while !st.ahead.is_empty() {
+            self.done.wait(&mut st);
+        }
+    }
+
+    /// Wait (the lock held between waits) until no page of `[addr, addr + bytes)` is being
+    /// unmapped or mapped ahead by the worker.
+    fn wait_for_worker(
+        &self,
+        st: &mut parking_lot::MutexGuard<'_, State>,
+        addr: DevPtr,
+        bytes: u64,
+    ) {
+        while st.map.unmapping_in(addr, bytes) || st.ahead_in(addr, bytes) {
+            self.counters.waits.fetch_add(1, Ordering::Relaxed);
+            self.done.wait(st);
+        }
+    }
+
+    /// Wait (the lock held between waits) until no page of `[addr, addr + bytes)` is being
+    /// mapped ahead by the worker.
+    fn wait_ahead(&self, st: &mut parking_lot::MutexGuard<'_, State>, addr: DevPtr, bytes: u64) {
+        while st.ahead_in(addr, bytes) {
+            self.counters.waits.fetch_add(1, Ordering::Relaxed);
+            self.done.wait(st);
+        }
+    }
+
+    /// Make the calls of `plan` (this device and `peers` given access), on the worker
+    /// (`background`) or the caller's thread, then commit it; all or nothing.
+    fn make(&self, plan: MapPlan, peers: &[usize], background: bool) -> Result<()> {
+        let page = self.page;
+        let c = &self.counters;
+        let (creates, maps) = if background {
+            (&c.creates_bg, &c.maps_bg)
+        } else {
+            (&c.creates, &c.maps)
+        };
+        let mut t = Instant::now();
+        // time since `t`, added to `counter` (on the caller's thread only); `t` restarts
+        let mut lap = |counter: &AtomicU64| {
+            let now = Instant::now();
+            if !background {
+                counter.fetch_add(now.duration_since(t).as_nanos() as u64, Ordering::Relaxed);
+            }
+            t = now;
+        };
         self.counters
             .reused
             .fetch_add(plan.reused.len() as u64, Ordering::Relaxed);
@@ -269,7 +418,7 @@ impl Pages {
             Ordering::Relaxed,
         );
         if !plan.evict.is_empty() {
-            self.unmap_pages(&plan.evict, false);
+            self.unmap_pages(&plan.evict, background);
             let mut st = self.state.lock();
             st.map.evicted(&plan);
             self.recycle_events(&mut st);
@@ -288,7 +437,7 @@ impl Pages {
                     // SAFETY: `prop` is initialised; `h` is a valid out-pointer; `size` is a
                     // multiple of the granularity.
                     let r = unsafe { sys::cuMemCreate(&mut h, size, &self.prop.0, 0) };
-                    self.counters.creates.fetch_add(1, Ordering::Relaxed);
+                    creates.fetch_add(1, Ordering::Relaxed);
                     if let Err(e) = r.result() {
                         failed = Some(alloc_err("cuMemCreate", size, "cuMemCreate", e));
                         break;
@@ -302,7 +451,7 @@ impl Pages {
             // live page uses (it may linger at other addresses: a handle may be mapped at
             // several), mapped whole, at offset 0.
             let r = unsafe { sys::cuMemMap(p, size, 0, h, 0) };
-            self.counters.maps.fetch_add(1, Ordering::Relaxed);
+            maps.fetch_add(1, Ordering::Relaxed);
             if let Err(e) = r.result() {
                 failed = Some(cuda_err("cuMemMap", e));
                 break;
@@ -312,7 +461,7 @@ impl Pages {
         lap(&c.map_ns);
         if failed.is_none() {
             for (start, n) in runs(mapped.iter().copied(), page) {
-                if let Err(e) = self.set_access(start, n * page, peers) {
+                if let Err(e) = self.access(start, n * page, peers, background) {
                     failed = Some(e);
                     break;
                 }
@@ -322,10 +471,15 @@ impl Pages {
         if let Some(e) = failed {
             // all or nothing: unmap what this call mapped (access may not be set there);
             // handles go back where they came from
+            let unmaps = if background {
+                &c.unmaps_bg
+            } else {
+                &c.unmaps_fg
+            };
             for &(p, n) in &mapped {
                 // SAFETY: mapped just now by this call and unused.
                 let _ = unsafe { sys::cuMemUnmap(p, (n * page) as usize) };
-                self.counters.unmaps_fg.fetch_add(1, Ordering::Relaxed);
+                unmaps.fetch_add(1, Ordering::Relaxed);
             }
             self.state.lock().map.abandon(plan, &created);
             return Err(e);
@@ -358,7 +512,8 @@ impl Pages {
                 max: self.page as usize,
             });
         }
-        let st = self.state.lock();
+        let mut st = self.state.lock();
+        self.wait_ahead(&mut st, addr, bytes);
         let mut fds = Vec::new();
         let mut first = None;
         let mut p = addr;
@@ -389,6 +544,11 @@ impl Pages {
 
     /// Read-write access to `[addr, addr + bytes)` (mapped) for this device and `peers`.
     pub(super) fn set_access(&self, addr: DevPtr, bytes: u64, peers: &[usize]) -> Result<()> {
+        self.access(addr, bytes, peers, false)
+    }
+
+    /// [`Pages::set_access`], counted as the worker's call where `background`.
+    fn access(&self, addr: DevPtr, bytes: u64, peers: &[usize], background: bool) -> Result<()> {
         let descs: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
             .chain(peers.iter().copied())
             .map(|d| sys::CUmemAccessDesc {
@@ -396,7 +556,13 @@ impl Pages {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
-        self.counters.set_access.fetch_add(1, Ordering::Relaxed);
+        let c = &self.counters;
+        let counter = if background {
+            &c.access_bg
+        } else {
+            &c.set_access
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the range is mapped (callers' contract); `descs` holds `len` descriptors.
         unsafe { sys::cuMemSetAccess(addr, bytes as usize, descs.as_ptr(), descs.len()) }
             .result()
@@ -406,7 +572,11 @@ impl Pages {
     /// Take the pages of `[addr, addr + bytes)` out of use; no queued work touches them (the
     /// caller's contract). No driver call: the addresses linger, the handles are spare.
     pub(super) fn unmap(&self, addr: DevPtr, bytes: u64) -> Result<()> {
-        let excess = self.state.lock().map.detach(addr, bytes, None, None)?.1;
+        let excess = {
+            let mut st = self.state.lock();
+            self.wait_ahead(&mut st, addr, bytes);
+            st.map.detach(addr, bytes, None, None)?.1
+        };
         self.release_later(excess);
         Ok(())
     }
@@ -424,6 +594,7 @@ impl Pages {
         busy: bool,
     ) -> Result<()> {
         let mut st = self.state.lock();
+        self.wait_ahead(&mut st, addr, bytes);
         let me = std::thread::current().id();
         let shared = match st.move_event {
             Some((s, ev, t)) if busy && s == stream.0 && t == me && st.map.holds(ev) => Some(ev),
@@ -505,6 +676,23 @@ impl Pages {
                 st.map.settle_kept(stream, Some(event));
                 st.map.release_event(event);
                 self.recycle_events(&mut st);
+            }
+            Job::Ahead {
+                addr,
+                bytes,
+                plan,
+                peers,
+            } => {
+                let r = self.make(plan, &peers, background);
+                let mut st = self.state.lock();
+                for i in 0..bytes / self.page {
+                    st.ahead.remove(&(addr + i * self.page));
+                }
+                if let Err(e) = r {
+                    st.ahead_failed.push((addr, bytes, e));
+                }
+                drop(st);
+                self.done.notify_all();
             }
         }
     }
@@ -606,7 +794,11 @@ impl Pages {
     /// Before `[addr, addr + bytes)` is given back: unmap what lingers there and wait for the
     /// worker's unmapping of pages in it.
     pub(super) fn flush(&self, addr: DevPtr, bytes: u64) {
-        let evict = self.state.lock().map.take_lingering_in(addr, bytes);
+        let evict = {
+            let mut st = self.state.lock();
+            self.wait_ahead(&mut st, addr, bytes);
+            st.map.take_lingering_in(addr, bytes)
+        };
         if !evict.is_empty() {
             self.unmap_pages(&evict, false);
         }
@@ -686,6 +878,14 @@ impl Pages {
                     }
                 }
                 Job::Settle { event, .. } => events.push(event),
+                // its evictions are out of the map (unmapped here), the handles it took
+                // with them (released here); what it reused is live in the map
+                Job::Ahead { plan, .. } => {
+                    for e in &plan.evict {
+                        self.unmap_one(e.addr, e.pages);
+                    }
+                    handles.extend(plan.fresh.iter().filter_map(|f| f.2));
+                }
             }
         }
         for (p, n) in all.mappings {
@@ -743,10 +943,12 @@ fn worker(pages: std::sync::Weak<Pages>) {
             st.working = true;
             std::mem::take(&mut st.queued)
         };
-        // releases first, settles last: a settle may wait for a long kernel
+        // releases first (a map made ahead may go where one lingers), settles last: a settle
+        // may wait for a long kernel
         batch.sort_by_key(|j| match j {
             Job::Release(_) => 0,
-            Job::Settle { .. } => 1,
+            Job::Ahead { .. } => 1,
+            Job::Settle { .. } => 2,
         });
         for job in batch {
             p.run(job, true);
