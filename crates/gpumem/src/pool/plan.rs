@@ -1580,7 +1580,7 @@ impl CachingPool {
             if pages.next_with(u0, u1, false) >= u1
                 && all_free(u0, u1)
                 && users[span.clone()].iter().any(|&u| u > 0)
-                && users[span].iter().any(|&u| u == 0)
+                && users[span].contains(&0)
             {
                 let slots: Vec<u32> = (0..p.layout.slots.len() as u32)
                     .filter(|&k| {
