@@ -810,15 +810,19 @@ fn the_report_counts_free_pages_no_move_can_take_at_the_peak() {
     assert_eq!((r.movable_at_peak, r.stranded_at_peak), (0, 0));
 }
 
-/// A plan gives its region's unused pages back by splitting handles (see above): each is
-/// unmapped whole and the pages its slots use are mapped again. Those maps are made ahead,
-/// off the allocating thread (`VirtualMemory::map_ahead`: the CUDA engine's worker makes
-/// them), and no block is handed out on such pages before the pool has waited for them
-/// (`check_invariants`, every 8th event). So the allocating thread's last driver call comes
-/// in the plan's first cycle (its region filled where the dynamic layout had not mapped),
-/// before the give-back's, which are all the resource thread's.
+/// Two pieces of a plan's work leave the allocating thread. Its placement at its start,
+/// around what is in the way there: made ahead, on a thread of the pool's (inline on the
+/// simulated device), once the job is past the period's last allocation whose block lives
+/// into the next period, and taken at the start where the same blocks are in the way (here,
+/// every start of these four jobs). And its give-back of the region's unused pages by
+/// splitting handles (see above): each is unmapped whole and the pages its slots use are
+/// mapped again, ahead, by the resource's thread (`VirtualMemory::map_ahead`: the CUDA
+/// engine's worker makes them); no block is handed out on such pages before the pool has
+/// waited for them (`check_invariants`, every 8th event). So the allocating thread's last
+/// driver call comes in the plan's first cycle (its region filled where the dynamic layout
+/// had not mapped), before the give-back's, which are all the resource thread's.
 #[test]
-fn a_plans_give_back_maps_its_pages_off_the_allocating_thread() {
+fn a_plans_start_and_give_back_leave_the_allocating_thread() {
     use gpumem::resource::sim::SimulatedDevice;
     use gpumem::{CachingAllocator, Stream};
     use std::sync::Arc;
@@ -826,6 +830,7 @@ fn a_plans_give_back_maps_its_pages_off_the_allocating_thread() {
         "torch_vit_train.jsonl.gz",
         "torch_gptfix_train.jsonl.gz",
         "gpt_train.jsonl.gz",
+        "torch_gptenc_train.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         let sim = Arc::new(SimulatedDevice::new(TIB));
@@ -865,12 +870,15 @@ fn a_plans_give_back_maps_its_pages_off_the_allocating_thread() {
         }
         let c = gpumem::resource::VirtualMemory::calls(&*sim);
         let n = events.len();
+        let s = alloc.stats();
         println!(
             "{name}: the last call on the allocating thread at event {} of {n}, on the \
-             resource's at {}; {} handles created there",
-            fg.0, bg.0, c.creates_background
+             resource's at {}; {} maps made there; starts placed ahead {}, there {}",
+            fg.0, bg.0, c.maps_background, s.num_plan_placements_ahead, s.num_plan_placements
         );
-        assert!(c.creates_background > 0, "{name}: nothing mapped ahead");
+        assert!(s.num_plan_placements_ahead > 0, "{name}");
+        assert_eq!(s.num_plan_placements, 0, "{name}");
+        assert!(c.maps_background > 0, "{name}: nothing mapped ahead");
         assert!(fg.0 < bg.0, "{name}: {} against {}", fg.0, bg.0);
         assert!(fg.0 * 2 < n, "{name}: {} of {n}", fg.0);
     }

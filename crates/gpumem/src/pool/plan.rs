@@ -640,6 +640,9 @@ pub(super) struct Layout {
     region: u64,
     /// the job's period (`prints` holds it twice where blocks live longer than it)
     half: u32,
+    /// the detector's event from which the job's events were the layout's: where the events
+    /// it was made from begin (see `plan_around`)
+    seen: u64,
     /// the segment the plan takes over (index and address), if any
     home: Option<(u32, u64)>,
     stream: Stream,
@@ -661,12 +664,12 @@ pub(super) fn layout(
     let skip = events.len() - period as usize;
     let (mut all, long) = lives(&events[skip..], first + skip as u64, period as usize);
     let half = period as u32;
-    let events = if long > 0 && skip >= period as usize {
+    let (events, seen) = if long > 0 && skip >= period as usize {
         let skip = skip - period as usize;
         all = lives(&events[skip..], first + skip as u64, period as usize).0;
-        &events[skip..]
+        (&events[skip..], first + skip as u64)
     } else {
-        &events[skip..]
+        (&events[skip..], first + skip as u64)
     };
     let period = events.len() as u32;
     // only blocks of `stream`: the print mixes the stream in, so compare with its own
@@ -730,6 +733,7 @@ pub(super) fn layout(
         region: total.div_ceil(page).max(1) * page,
         home: home.map(|h| (h.seg, h.addr)),
         half,
+        seen,
         stream,
     })
 }
@@ -861,6 +865,12 @@ pub(super) struct Plan {
     /// what its offsets were last placed around at its start (`plan_place_at_start`): the
     /// ranges of the blocks in the way and the blocks pinned where they are
     placed_around: Option<Around>,
+    /// positions after which what is in the way at the plan's next start is known (the last
+    /// allocation of a block that lives into the next period: its life wraps around), so
+    /// that it can be placed then, before the start (`plan_place_ahead`)
+    last_wrap: u32,
+    /// that placement, made ahead of the start
+    place_ahead: Option<PlaceAhead>,
     /// runs of its region's pages (first, pages) mapped ahead by the resource's thread
     /// (`plan_split`) and not yet known made: counted as mapped, but no block there is
     /// handed out before `plan_ahead_ready` (their slots' `taken` blocks are `NIL`, so that
@@ -910,6 +920,13 @@ impl Plan {
         for h in twice {
             windows.remove(&h);
         }
+        let last_wrap = layout
+            .lives
+            .iter()
+            .filter(|l| l.end < l.start)
+            .map(|l| l.start)
+            .max()
+            .unwrap_or(0);
         // (the layout's prints and slots per position end here: the cursor reads `pos`)
         let pos = std::mem::take(&mut layout.prints)
             .into_iter()
@@ -943,6 +960,8 @@ impl Plan {
                 slots
             ],
             placed_around: None,
+            last_wrap,
+            place_ahead: None,
             ahead: Vec::new(),
         }
     }
@@ -997,6 +1016,22 @@ impl Plan {
         let due = (g.tries > 0 && events >= g.next_at) || !g.waiting.is_empty();
         (idle, due)
     }
+}
+
+/// A placement of a plan's slots (offsets, and the bytes they span) around what is in the
+/// way at a start, made ahead of that start: `around` is what it was placed around (the
+/// start takes it where it finds the same in the way; placing is a function of that and the
+/// plan's lives alone).
+#[derive(Debug)]
+struct PlaceAhead {
+    around: Around,
+    job: PlaceJob,
+}
+
+#[derive(Debug)]
+enum PlaceJob {
+    Thread(std::thread::JoinHandle<(Vec<u64>, u64)>),
+    Done((Vec<u64>, u64)),
 }
 
 /// A layout being computed off the allocating thread.
@@ -1191,7 +1226,14 @@ impl CachingPool {
         };
         self.plans.plans[i].used = self.tick;
         if self.plans.plans[i].seg == NIL {
-            if pos != 0 || self.plan_activate(i).is_err() {
+            if pos != 0 {
+                if pos > self.plans.plans[i].last_wrap && self.plans.plans[i].place_ahead.is_none()
+                {
+                    self.plan_place_ahead(i, pos);
+                }
+                return None;
+            }
+            if self.plan_activate(i).is_err() {
                 return None;
             }
             self.plans.plans[i].since = self.plans.repeats.events();
@@ -2043,16 +2085,77 @@ impl CachingPool {
     /// Place plan `i` again now, at its start, around what its home segment `seg` holds: its
     /// blocks that are still live from the period before (their lives wrap around the start)
     /// keep the places they have (the plan pins them there), every other block in use stays
-    /// in the way. On the allocating thread (the orders of [`place`], side by side), at
-    /// every start whose blocks in the way differ from the last one's: a job that comes back
-    /// to a plan now and then (a length that recurs) mostly finds the same ones, its weights
-    /// and optimizer state, and keeps the offsets it had (86 of 102 starts on a 1,600-step
-    /// variable-length replay).
+    /// in the way (`plan_around`). At every start whose blocks in the way differ from the
+    /// last one's: a job that comes back to a plan now and then (a length that recurs) mostly
+    /// finds the same ones, its weights and optimizer state, and keeps the offsets it had (86
+    /// of 102 starts on a 1,600-step variable-length replay). The placement made ahead of
+    /// the start (`plan_place_ahead`) is taken where it was made around the same blocks (its
+    /// thread joined if it has not finished); else it is made here, on the allocating thread
+    /// (the orders of [`place`], side by side).
     fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
-        let n0 = self.plans.repeats.events();
+        let around = self.plan_around(i, seg, self.plans.repeats.events(), false);
+        let p = &mut self.plans.plans[i];
+        if p.placed_around.as_ref() == Some(&around) {
+            // the same blocks in the way as at its last start (a job that comes back to the
+            // plan: its weights and optimizer state where they were): the same layout
+            self.plans.placed_again += 1;
+            return;
+        }
+        let ahead = p
+            .place_ahead
+            .take()
+            .filter(|a| a.around == around)
+            .and_then(|a| match a.job {
+                PlaceJob::Done(r) => Some(r),
+                PlaceJob::Thread(h) => h.join().ok(),
+            });
+        let (offsets, total) = match ahead {
+            Some(r) => {
+                self.stats.num_plan_placements_ahead += 1;
+                r
+            }
+            None => {
+                self.plans.placed += 1;
+                self.stats.num_plan_placements += 1;
+                let period = p.pos.len() as u32;
+                place_pinned(&p.layout.lives, period, &around.0, &around.1, true)
+            }
+        };
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let p = &mut self.plans.plans[i];
+        for (k, s) in p.layout.slots.iter_mut().enumerate() {
+            s.0 = offsets[k];
+        }
+        p.layout.region = total.div_ceil(page).max(1) * page;
+        p.placed_around = Some(around);
+    }
+
+    /// What plan `i` is placed around at a start when the detector has counted `n0` events,
+    /// in its home segment `seg`: the ranges of the blocks in use there (or waiting on
+    /// events), but those of its blocks still live from the period before (their lives wrap
+    /// around the start), which are pinned where they lie. With `ahead` (a start to come,
+    /// the job in step with the plan until then), the blocks that the plan frees before the
+    /// start (allocated in its last two periods) are left out.
+    fn plan_around(&self, i: usize, seg: u32, n0: u64, ahead: bool) -> Around {
         let p = &self.plans.plans[i];
         let period = p.pos.len() as u64;
+        let freed_before = |b: &Block, born: u64| {
+            if !ahead
+                || born == NONE
+                || born < p.layout.seen
+                || born >= n0
+                || n0 - born > 2 * period
+            {
+                return false;
+            }
+            let k = p.pos[((born + 2 * period - n0) % period) as usize].slot;
+            k != NO_SLOT && {
+                let l = &p.layout.lives[k as usize];
+                let len = (u64::from(l.end) + period - u64::from(l.start)) % period;
+                l.size == b.rounded && b.state == State::Allocated && born + len < n0
+            }
+        };
         let base = self.segments[seg as usize].addr;
         let mut fixed = Vec::new();
         let mut pinned: Vec<(usize, u64)> = Vec::new();
@@ -2061,40 +2164,63 @@ impl CachingPool {
             let b = &self.blocks[id as usize];
             if matches!(b.state, State::Allocated | State::Pending) {
                 let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
-                let slot = (born != NONE && born < n0 && n0 - born < period)
+                // its slot, if the plan allocated it in the last period
+                let life = (born != NONE && born < n0 && n0 - born < period)
                     .then(|| p.pos[(period - (n0 - born)) as usize].slot)
                     .filter(|&k| k != NO_SLOT)
-                    .map(|k| k as usize)
-                    .filter(|&k| {
-                        let l = &p.layout.lives[k];
-                        l.end < l.start && l.size == b.rounded && b.state == State::Allocated
-                    });
-                match slot {
-                    Some(k) if !pinned.iter().any(|&(j, _)| j == k) => {
+                    .map(|k| (k as usize, &p.layout.lives[k as usize]))
+                    .filter(|(_, l)| l.size == b.rounded && b.state == State::Allocated);
+                match life {
+                    Some((k, l)) if l.end < l.start && !pinned.iter().any(|&(j, _)| j == k) => {
                         pinned.push((k, b.addr - base))
                     }
+                    _ if freed_before(b, born) => {}
                     _ => fixed.push((b.addr - base, b.addr - base + b.size)),
                 }
             }
             id = b.next;
         }
-        let around = (fixed, pinned);
-        if p.placed_around.as_ref() == Some(&around) {
-            // the same blocks in the way as at its last start (a job that comes back to the
-            // plan: its weights and optimizer state where they were): the same layout
-            self.plans.placed_again += 1;
+        (fixed, pinned)
+    }
+
+    /// Plan `i`, waiting for its start with the job in step at position `pos` (past its last
+    /// allocation whose life wraps around the start): place it now around what the start
+    /// will find in the way, on a thread of its own (inline on a simulated device), so that
+    /// the start takes the placement without making it (7-16 ms of the allocating thread on
+    /// the dev VM for vit, resnet50, gpt_train and gptfix, 44-48 ms for unet).
+    #[cold]
+    #[inline(never)]
+    fn plan_place_ahead(&mut self, i: usize, pos: u32) {
+        let p = &self.plans.plans[i];
+        let Some((seg, addr)) = p.layout.home else {
+            return;
+        };
+        if p.declines >= MAX_DECLINES || self.segment_index.get(&addr) != Some(&seg) {
             return;
         }
-        self.plans.placed += 1;
-        let (offsets, total) =
-            place_pinned(&p.layout.lives, period as u32, &around.0, &around.1, true);
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let p = &mut self.plans.plans[i];
-        for (k, s) in p.layout.slots.iter_mut().enumerate() {
-            s.0 = offsets[k];
+        let n0 = self.plans.repeats.events() + (p.pos.len() as u64 - u64::from(pos));
+        let around = self.plan_around(i, seg, n0, true);
+        if p.placed_around.as_ref() == Some(&around) {
+            return;
         }
-        p.layout.region = total.div_ceil(page).max(1) * page;
-        p.placed_around = Some(around);
+        let (lives, period) = (p.layout.lives.clone(), p.pos.len() as u32);
+        let (fixed, pinned) = around.clone();
+        let place = move || place_pinned(&lives, period, &fixed, &pinned, true);
+        let job = if matches!(
+            self.backend.location(),
+            crate::resource::Location::Simulated
+        ) {
+            PlaceJob::Done(place())
+        } else {
+            match std::thread::Builder::new()
+                .name("gpumem-place".into())
+                .spawn(place)
+            {
+                Ok(h) => PlaceJob::Thread(h),
+                Err(_) => return,
+            }
+        };
+        self.plans.plans[i].place_ahead = Some(PlaceAhead { around, job });
     }
 
     /// Take segment `seg` (at `addr`) over for plan `i`: its free blocks leave the free sets

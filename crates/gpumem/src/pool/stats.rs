@@ -157,6 +157,10 @@ pub struct Stats {
     pub num_plans_declined: u64,
     /// plans forgotten because they kept losing the job before one whole cycle of their events
     pub num_plans_dropped: u64,
+    /// starts that placed their plan on the allocating thread, around what was in the way
+    pub num_plan_placements: u64,
+    /// starts that took a placement made ahead, off the allocating thread
+    pub num_plan_placements_ahead: u64,
     /// allocations served at their planned offsets
     pub num_plan_allocs: u64,
     /// allocations in step with a plan whose bytes were not free (served by the dynamic pool)
@@ -307,6 +311,8 @@ impl Stats {
         self.page_map_ns += o.page_map_ns;
         self.num_plans += o.num_plans;
         self.num_plans_declined += o.num_plans_declined;
+        self.num_plan_placements += o.num_plan_placements;
+        self.num_plan_placements_ahead += o.num_plan_placements_ahead;
         self.num_plans_dropped += o.num_plans_dropped;
         self.num_plan_allocs += o.num_plan_allocs;
         self.num_plan_misses += o.num_plan_misses;
@@ -463,6 +469,8 @@ pub(crate) struct HotStats {
     pub(crate) page_map_ns: u64,
     pub(crate) num_plans: u64,
     pub(crate) num_plans_declined: u64,
+    pub(crate) num_plan_placements: u64,
+    pub(crate) num_plan_placements_ahead: u64,
     pub(crate) num_plans_dropped: u64,
     pub(crate) num_plan_allocs: u64,
     pub(crate) num_plan_misses: u64,
@@ -639,6 +647,8 @@ impl HotStats {
             page_map_ns: self.page_map_ns,
             num_plans: self.num_plans,
             num_plans_declined: self.num_plans_declined,
+            num_plan_placements: self.num_plan_placements,
+            num_plan_placements_ahead: self.num_plan_placements_ahead,
             num_plans_dropped: self.num_plans_dropped,
             num_plan_allocs: self.num_plan_allocs,
             num_plan_misses: self.num_plan_misses,
