@@ -21,7 +21,11 @@
 //! - a lingering address is unmapped only when a map needs it for another handle (after the
 //!   event of its old work, if that has not completed) or when its range is given back;
 //! - the worker thread waits for the events of moves in stream order, after which the handles
-//!   they left are spare, and releases handles beyond the cap.
+//!   they left are spare, and releases handles beyond the cap;
+//! - it also makes maps asked for ahead of need ([`Pages::map_ahead`]: a planned region's
+//!   pages mapped again after a give-back's split), after the releases queued before them;
+//!   their pages are planned at once, a call over them waits until they are made, and the
+//!   caller hands none out before [`Pages::wait_mapped`].
 //!
 //! Pages are created with the POSIX file-descriptor handle type where the device supports it
 //! (exportable: what IPC and NCCL registration need; it costs the same as no handle type), at
