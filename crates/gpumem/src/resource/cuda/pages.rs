@@ -80,6 +80,18 @@ struct State {
     ahead_failed: Vec<(DevPtr, u64, Error)>,
 }
 
+impl Job {
+    /// Where a job runs in a batch: releases first (a map made ahead may go where one
+    /// lingers), settles last (a settle may wait for a long kernel).
+    fn order(&self) -> u8 {
+        match self {
+            Job::Release(_) => 0,
+            Job::Ahead { .. } => 1,
+            Job::Settle { .. } => 2,
+        }
+    }
+}
+
 impl State {
     /// Whether any page of `[addr, addr + bytes)` is being mapped ahead.
     fn ahead_in(&self, addr: DevPtr, bytes: u64) -> bool {
@@ -801,6 +813,9 @@ impl Pages {
         let evict = {
             let mut st = self.state.lock();
             self.wait_ahead(&mut st, addr, bytes);
+            // (a map made ahead there that failed is nobody's to report any more)
+            st.ahead_failed
+                .retain(|f| f.0 + f.1 <= addr || addr + bytes <= f.0);
             st.map.take_lingering_in(addr, bytes)
         };
         if !evict.is_empty() {
@@ -818,19 +833,24 @@ impl Pages {
     /// first, after waiting for the work of moves in stream order (whose handles are then
     /// spare too).
     pub(super) fn trim(&self) {
-        // the worker's jobs first (releases it was given are memory to give back now)
+        // the worker's jobs first (releases it was given are memory to give back now), once
+        // the batch it is on is done (a map made ahead runs after the releases before it)
         {
             let mut st = self.state.lock();
-            let jobs = std::mem::take(&mut st.queued);
-            if !jobs.is_empty() {
+            loop {
+                while st.working {
+                    self.done.wait(&mut st);
+                }
+                let mut jobs = std::mem::take(&mut st.queued);
+                if jobs.is_empty() {
+                    break;
+                }
                 drop(st);
+                jobs.sort_by_key(Job::order);
                 for job in jobs {
                     self.run(job, false);
                 }
                 st = self.state.lock();
-            }
-            while st.working {
-                self.done.wait(&mut st);
             }
         }
         // moves in stream order: wait for their work, then their handles are spare too
@@ -947,13 +967,7 @@ fn worker(pages: std::sync::Weak<Pages>) {
             st.working = true;
             std::mem::take(&mut st.queued)
         };
-        // releases first (a map made ahead may go where one lingers), settles last: a settle
-        // may wait for a long kernel
-        batch.sort_by_key(|j| match j {
-            Job::Release(_) => 0,
-            Job::Ahead { .. } => 1,
-            Job::Settle { .. } => 2,
-        });
+        batch.sort_by_key(Job::order);
         for job in batch {
             p.run(job, true);
         }
