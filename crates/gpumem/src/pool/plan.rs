@@ -1076,8 +1076,8 @@ pub(super) struct Plans {
     quiet_until: u64,
     /// that plan's `since`, for the frees of a quiet stretch
     quiet_since: u64,
-    /// starts that placed their plan, and starts that kept its last placement (for tests)
-    pub(super) placed: u64,
+    /// starts that kept their plan's last placement (for tests; those that placed it are
+    /// `num_plan_placements` and `num_plan_placements_ahead`)
     pub(super) placed_again: u64,
     /// (debug builds) a detector that notes every event as `note_large_event` does, with no
     /// quiet stretch: `plan_unskip` must give the detector back its last events as this one
@@ -2116,7 +2116,6 @@ impl CachingPool {
                 r
             }
             None => {
-                self.plans.placed += 1;
                 self.stats.num_plan_placements += 1;
                 let period = p.pos.len() as u32;
                 place_pinned(&p.layout.lives, period, &around.0, &around.1, true)

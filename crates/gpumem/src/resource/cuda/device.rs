@@ -52,6 +52,13 @@ impl CudaDevice {
     }
 
     fn map_for(&self, addr: DevPtr, bytes: u64, stream: Option<Stream>) -> Result<()> {
+        let (pages, peers) = self.for_pages(addr, bytes)?;
+        pages.map(addr, bytes, &peers, stream)
+    }
+
+    /// The page engine for a call over `[addr, addr + bytes)` (whole pages, checked), with the
+    /// context bound and the peers that get access to what it maps.
+    fn for_pages(&self, addr: DevPtr, bytes: u64) -> Result<(&Pages, Vec<usize>)> {
         let pages = self.pages()?;
         let page = pages.page();
         if addr % page != 0 || bytes % page != 0 || bytes == 0 {
@@ -61,8 +68,7 @@ impl CudaDevice {
             });
         }
         self.ops.bind()?;
-        let peers = self.peers.read().clone();
-        pages.map(addr, bytes, &peers, stream)
+        Ok((pages, self.peers.read().clone()))
     }
 
     pub(super) fn bind(&self) -> Result<()> {
@@ -188,23 +194,13 @@ impl VirtualMemory for CudaDevice {
     }
 
     fn map_ahead(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
-        let pages = self.pages()?;
-        let page = pages.page();
-        if addr % page != 0 || bytes % page != 0 || bytes == 0 {
-            return Err(Error::InvalidAlignment {
-                align: page as usize,
-                max: page as usize,
-            });
-        }
-        self.ops.bind()?;
-        let peers = self.peers.read().clone();
+        let (pages, peers) = self.for_pages(addr, bytes)?;
         pages.map_ahead(addr, bytes, &peers, stream)
     }
 
     fn wait_mapped(&self, addr: DevPtr, bytes: u64, stream: Stream) -> Result<()> {
-        self.ops.bind()?;
-        let peers = self.peers.read().clone();
-        self.pages()?.wait_mapped(addr, bytes, &peers, stream)
+        let (pages, peers) = self.for_pages(addr, bytes)?;
+        pages.wait_mapped(addr, bytes, &peers, stream)
     }
 
     fn unmap_after(&self, addr: DevPtr, bytes: u64, stream: Stream, busy: bool) -> Result<()> {

@@ -323,9 +323,7 @@ impl Pages {
         }
         // (pages being unmapped there, by a release the worker has queued or is making, are
         // gone before this job runs: the worker runs releases first, in order)
-        while st.ahead_in(addr, bytes) {
-            self.done.wait(&mut st);
-        }
+        self.wait_ahead(&mut st, addr, bytes);
         let plan = st.map.plan_map(addr, bytes, Some(stream.0))?;
         st.ahead
             .extend((0..bytes / self.page).map(|i| addr + i * self.page));
@@ -352,11 +350,7 @@ impl Pages {
         let t = Instant::now();
         let failed = {
             let mut st = self.state.lock();
-            if st.ahead_in(addr, bytes) {
-                self.counters.waits.fetch_add(1, Ordering::Relaxed);
-                while st.ahead_in(addr, bytes) {
-                    self.done.wait(&mut st);
-                }
+            if self.wait_ahead(&mut st, addr, bytes) {
                 self.counters
                     .wait_ns
                     .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -392,19 +386,35 @@ impl Pages {
         addr: DevPtr,
         bytes: u64,
     ) {
-        while st.map.unmapping_in(addr, bytes) || st.ahead_in(addr, bytes) {
-            self.counters.waits.fetch_add(1, Ordering::Relaxed);
-            self.done.wait(st);
-        }
+        self.wait_while(st, |st| {
+            st.map.unmapping_in(addr, bytes) || st.ahead_in(addr, bytes)
+        });
     }
 
     /// Wait (the lock held between waits) until no page of `[addr, addr + bytes)` is being
-    /// mapped ahead by the worker.
-    fn wait_ahead(&self, st: &mut parking_lot::MutexGuard<'_, State>, addr: DevPtr, bytes: u64) {
-        while st.ahead_in(addr, bytes) {
+    /// mapped ahead by the worker; whether it waited.
+    fn wait_ahead(
+        &self,
+        st: &mut parking_lot::MutexGuard<'_, State>,
+        addr: DevPtr,
+        bytes: u64,
+    ) -> bool {
+        self.wait_while(st, |st| st.ahead_in(addr, bytes))
+    }
+
+    /// Wait for the worker while `busy` holds, each wait counted; whether it waited.
+    fn wait_while(
+        &self,
+        st: &mut parking_lot::MutexGuard<'_, State>,
+        busy: impl Fn(&State) -> bool,
+    ) -> bool {
+        let mut waited = false;
+        while busy(st) {
             self.counters.waits.fetch_add(1, Ordering::Relaxed);
             self.done.wait(st);
+            waited = true;
         }
+        waited
     }
 
     /// Make the calls of `plan` (this device and `peers` given access), on the worker
