@@ -234,5 +234,12 @@ fn print(out: &ReplayOut) {
         } else if !when.is_empty() && p.backend != "trace" {
             println!("  {}: reserved peaked{when}", p.name);
         }
+        if let Some(w) = p.worst_window_share {
+            println!(
+                "  {}: page work on the allocating thread, the worst second after the warm-up: {:.2}% of it",
+                p.name,
+                w * 100.0
+            );
+        }
     }
 }

@@ -366,6 +366,7 @@ impl CachingPool {
     ) -> Result<()> {
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
+        self.budget.note_work(started + took, took, budgeted);
         if budgeted {
             self.budget.charge(took);
         } else if !moved {

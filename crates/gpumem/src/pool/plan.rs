@@ -1481,9 +1481,11 @@ impl CachingPool {
             self.plan_split_waiting(i, events);
             return;
         }
+        let now = self.vmm().map_or(0, |v| v.now_ns());
         let g = &mut self.plans.plans[i].give_back;
         g.next_at = events + cycle;
-        if !self.budget.may_give_back() {
+        if !self.budget.may_give_back(now) {
+            let g = &mut self.plans.plans[i].give_back;
             // (a try all the same: the tries stay bounded)
             g.tries -= 1;
             return;
@@ -1522,6 +1524,7 @@ impl CachingPool {
         if let Ok(v) = self.vmm() {
             let took = v.now_ns().saturating_sub(started);
             self.stats.page_map_ns += took;
+            self.budget.note_work(started + took, took, true);
             self.budget.charge_give_back(took);
         }
     }

@@ -22,8 +22,8 @@ mod replay;
 pub mod synthetic;
 
 pub use replay::{
-    recorded, replay, replay_detailed, replay_simulated, replay_simulated_at, simulated, CostModel,
-    PolicyReport, Replay, SIM_CAPACITY,
+    recorded, replay, replay_detailed, replay_simulated, replay_simulated_at, simulated, warm_ups,
+    CostModel, PolicyReport, Replay, SIM_CAPACITY, WINDOW_US,
 };
 
 fn bad(path: &str, line: usize, what: impl std::fmt::Display) -> Error {

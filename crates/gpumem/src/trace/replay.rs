@@ -61,6 +61,12 @@ pub struct PolicyReport {
     /// `critical_path_us` as a share of the trace's own wall time (its first to last
     /// `time_us`); `None` where the trace has no times
     pub critical_path_share: Option<f64>,
+    /// the largest share of any [`WINDOW_US`] of the trace's time that page work on the
+    /// allocating thread took (`Stats::page_map_ns`, the time budget's own measure: on the
+    /// simulator, the modelled calls), over the windows after the warm-up: none within a
+    /// second of the live bytes' peak growing by 1% or more (see [`warm_ups`]). `None` where
+    /// the trace has no such window, and for `recorded` and classic segments (no pages)
+    pub worst_window_share: Option<f64>,
     /// time charged to the time budget of page moves (`pool/budget.rs`; on the simulator,
     /// the modelled calls' time), µs: the part of `critical_path_us` the policy chose to spend
     pub move_us: f64,
@@ -158,6 +164,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
         background_us: 0.0,
         vmm_calls: None,
         critical_path_share: None,
+        worst_window_share: None,
         device_calls: calls,
         unmap_syncs: 0,
         checkpoints: 0,
@@ -165,6 +172,56 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
 }
 
 /// The trace's own wall time, first to last `time_us`, where it has times.
+/// Length of the windows of [`PolicyReport::worst_window_share`], µs.
+pub const WINDOW_US: u64 = 1_000_000;
+
+/// The warm-ups of a job whose live bytes after each event (and the event's `time_us`) are
+/// `timeline`: from each time the peak of live bytes grows by 1% or more over its value at
+/// the last such time (the job's first bytes included) to a second after it (the time budget's
+/// own rule, `pool/budget.rs`, on the peak of allocated bytes), merged where they meet.
+pub fn warm_ups(timeline: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut level = 0u64;
+    for &(t, live) in timeline {
+        if live > 0 && live as u128 * 100 >= level as u128 * 101 {
+            level = live;
+            match out.last_mut() {
+                Some(w) if w.1 >= t => w.1 = t + WINDOW_US,
+                _ => out.push((t, t + WINDOW_US)),
+            }
+        }
+    }
+    out
+}
+
+/// The largest share of a [`WINDOW_US`] window that the work counted by `work_ns` (after each
+/// event of `timeline`, cumulative) took, over the windows that meet no warm-up
+/// ([`warm_ups`]); `None` where there is none.
+fn worst_window(timeline: &[(u64, u64)], work_ns: &[u64]) -> Option<f64> {
+    let warm = warm_ups(timeline);
+    let t0 = timeline.first()?.0;
+    let mut worst: Option<f64> = None;
+    let mut i = 0;
+    for j in 0..timeline.len() {
+        let t = timeline[j].0;
+        if t < t0 + WINDOW_US {
+            continue;
+        }
+        // the window (t - WINDOW_US, t]: work done by events i..=j, i the first inside it
+        while timeline[i].0 + WINDOW_US <= t {
+            i += 1;
+        }
+        let lo = t - WINDOW_US;
+        if warm.iter().any(|&(a, b)| a <= t && b > lo) {
+            continue;
+        }
+        let before = if i == 0 { 0 } else { work_ns[i - 1] };
+        let share = (work_ns[j] - before) as f64 / (WINDOW_US as f64 * 1e3);
+        worst = Some(worst.map_or(share, |w: f64| w.max(share)));
+    }
+    worst
+}
+
 fn wall_us(events: &[TraceEvent]) -> Option<f64> {
     let first = events.iter().map(|e| e.time_us).filter(|&t| t > 0).min()?;
     let last = events.iter().map(|e| e.time_us).max()?;
@@ -197,6 +254,9 @@ pub struct Replay {
     /// driver calls (segment allocations and frees, page maps and unmaps) made so far, after
     /// every replayed event
     pub calls: Vec<u64>,
+    /// page work on the allocating thread so far (`Stats::page_map_ns`), ns, after every
+    /// replayed event
+    pub page_ns: Vec<u64>,
 }
 
 /// Replay the demand of `events` through gpumem's pool with `config` over a simulated device of
@@ -324,6 +384,7 @@ fn replay_passes(
     let mut peak = (0u64, 0u64, 0usize, 0u64); // reserved, segments, event index, planned
     let mut timeline = Vec::with_capacity(events.len());
     let mut calls = Vec::with_capacity(events.len());
+    let mut page_ns = Vec::with_capacity(events.len());
     let mut live = 0u64;
     let (_, stats, backend_name, vmm) = run(
         events,
@@ -339,6 +400,7 @@ fn replay_passes(
                 _ => live = live.saturating_sub(e.size),
             }
             timeline.push((e.time_us, live, s.reserved_bytes.all.current));
+            page_ns.push(s.page_map_ns);
             calls.push(if paged {
                 s.vmm_calls_foreground + s.vmm_calls_background
             } else {
@@ -398,11 +460,18 @@ fn replay_passes(
             growth_us: stats.page_growth_ns as f64 / 1e3,
             background_us: bg_us,
             critical_path_share: wall_us(events).map(|w| fg_us / w),
+            worst_window_share: paged
+                .then(|| {
+                    let lives: Vec<(u64, u64)> = timeline.iter().map(|t| (t.0, t.1)).collect();
+                    worst_window(&lives, &page_ns)
+                })
+                .flatten(),
             vmm_calls: vmm,
         },
         segments_at_peak: at_peak.1,
         timeline,
         calls,
+        page_ns,
     })
 }
 
