@@ -190,6 +190,8 @@ impl MoveBudget {
         if ns == 0 || self.warm(now) {
             return;
         }
+        // (what is older than the window goes first: the log holds one second of work at most)
+        self.window_room(now);
         self.window.push_back((now, ns, moved));
         self.window_ns += ns;
         if moved {
@@ -366,6 +368,21 @@ mod tests {
             assert!(all <= limit + 100_000 && moved <= limit / 2 + 500_000);
         }
         assert_eq!(b.stops, 0, "a refusal in the window is no stop");
+    }
+
+    /// The window's log holds one second of page work, whatever asks no move: growth below
+    /// the high-water mark every 10 ms for 100 s leaves 100 entries, not 10,000.
+    #[test]
+    fn the_windows_log_holds_a_second_of_work() {
+        let mut b = MoveBudget::default();
+        assert!(!b.may_move(0, 1000));
+        let mut t = 2 * WINDOW_NS;
+        for _ in 0..10_000 {
+            t += 10_000_000;
+            b.note_work(t, 50_000, false);
+        }
+        assert_eq!(b.window.len(), 100);
+        assert_eq!(b.window_ns, 100 * 50_000);
     }
 
     #[test]
