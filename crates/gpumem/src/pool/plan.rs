@@ -1482,12 +1482,10 @@ impl CachingPool {
             return;
         }
         let now = self.vmm().map_or(0, |v| v.now_ns());
-        let g = &mut self.plans.plans[i].give_back;
-        g.next_at = events + cycle;
+        self.plans.plans[i].give_back.next_at = events + cycle;
         if !self.budget.may_give_back(now) {
-            let g = &mut self.plans.plans[i].give_back;
             // (a try all the same: the tries stay bounded)
-            g.tries -= 1;
+            self.plans.plans[i].give_back.tries -= 1;
             return;
         }
         let Ok(started) = self.vmm().map(|v| v.now_ns()) else {

@@ -171,7 +171,6 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
     }
 }
 
-/// The trace's own wall time, first to last `time_us`, where it has times.
 /// Length of the windows of [`PolicyReport::worst_window_share`], µs.
 pub const WINDOW_US: u64 = 1_000_000;
 
@@ -222,6 +221,7 @@ fn worst_window(timeline: &[(u64, u64)], work_ns: &[u64]) -> Option<f64> {
     worst
 }
 
+/// The trace's own wall time, first to last `time_us`, where it has times.
 fn wall_us(events: &[TraceEvent]) -> Option<f64> {
     let first = events.iter().map(|e| e.time_us).filter(|&t| t > 0).min()?;
     let last = events.iter().map(|e| e.time_us).max()?;
