@@ -1272,13 +1272,17 @@ impl CachingPool {
             return None;
         }
         let id = t.block;
-        let s = &self.segments[p.seg as usize];
-        let pages = s.pages.as_deref()?;
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let (lo, hi) = page_span(b.addr - s.addr, size, page);
-        if !pages.all_mapped(lo, hi) {
-            return None;
-        }
+        // (a slot's pages stay mapped while its plan holds the region: the give-back's split
+        // forgets the slots whose pages it maps again, `plan_split`, and leaving the region
+        // forgets them all, `plan_leave`)
+        debug_assert!({
+            let s = &self.segments[p.seg as usize];
+            let page = self.policy.page.unwrap_or(MIN_BLOCK);
+            let (lo, hi) = page_span(b.addr - s.addr, size, page);
+            s.pages
+                .as_deref()
+                .is_some_and(|pages| pages.all_mapped(lo, hi))
+        });
         self.unmark_inactive(id);
         self.blocks[id as usize].state = State::Allocated;
         Some(id)
