@@ -495,7 +495,7 @@ fn the_cost_model_keeps_driver_time_within_one_percent_on_every_real_trace() {
 /// work as the pool measured it, on the simulator the modelled calls), with the GPU in step,
 /// 300 and 3000 calls behind. The MoE job over 40 steps is the trace whose windows were
 /// passed (2.46% / 2.07% with the GPU in step / 3000 behind, its moves right up to the credit's
-/// overdraft), as its real run on an H200 was (1.6% over steps 12-19, 0.85 s, moves resumed
+/// overdraft), as its real run on an H200 was (1.62% over steps 11-20, 1.03 s, moves resumed
 /// as its peak grew by a few MB); most traces end within a second or two of their warm-up.
 #[test]
 fn after_the_warm_up_no_second_of_page_work_passes_one_percent_on_any_real_trace() {
@@ -757,7 +757,7 @@ fn real_traces_with_a_lagging_gpu() {
         // bench_torch.py --worker moe native --steps 40`; native 1.356): 1.0637 / 1.0675 /
         // 1.0901, its peak creeping step by step once moves stop (1.0938 / 1.0803 / 1.0957
         // before the windows of page work after the warm-up, whose refused moves overdraw
-        // nothing and so do not stop the rest; the H200 with gpumem over 30 steps: 1.080)
+        // nothing and so do not stop the rest; the H200 with gpumem over 30 steps: 1.080-1.090)
         ("torch_moe40_train.jsonl.gz", 1.091),
     ];
     for (name, bound) in cases {

@@ -51,7 +51,7 @@
 //!   moves fits beside them; growth the job needs besides is its own (memory it has not had).
 //!   A refusal is no stop: the next move may find room. The credit and growth's
 //!   account bound moves over long stretches; the window bounds every second of them. Real
-//!   MoE on an H200 took 1.6% of a second after its warm-up without the window (steps 12-19,
+//!   MoE on an H200 took 1.62% of a second after its warm-up without the window (steps 11-20,
 //!   moves resumed as its peak grew by a few MB); its 40-step trace 2.1-2.5% of the worst
 //!   second in replay, 0.65-0.74% with it, at a lower peak (1.064-1.090 against
 //!   1.080-1.096: refused moves overdraw nothing, so they do not stop the rest).
