@@ -78,6 +78,12 @@ pub const WINDOW_NS: u64 = 1_000_000_000;
 /// Growth of the peak of allocated bytes, percent, that starts (or prolongs) a warm-up.
 pub const WARM_GROWTH: u64 = 1;
 
+/// Whether a peak of `peak` bytes starts (or prolongs) a warm-up, the peak having been `level`
+/// the last time one did: it is [`WARM_GROWTH`] percent higher (the job's first bytes too).
+pub fn warms_up(peak: u64, level: u64) -> bool {
+    peak > 0 && peak as u128 * 100 >= level as u128 * (100 + WARM_GROWTH) as u128
+}
+
 /// Credit for page moves, and whether they are stopped.
 #[derive(Debug, Clone)]
 pub(super) struct MoveBudget {
@@ -142,7 +148,7 @@ impl MoveBudget {
         if raised {
             self.peak = peak;
         }
-        if peak > 0 && peak as u128 * 100 >= self.level as u128 * (100 + WARM_GROWTH) as u128 {
+        if warms_up(peak, self.level) {
             self.level = peak;
             self.warm_until = now.saturating_add(WINDOW_NS);
         }

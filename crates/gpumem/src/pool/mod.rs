@@ -56,7 +56,10 @@ pub mod summary;
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::resource::{unsupported, Backend, DevPtr, Event, Stream, VirtualMemory};
-pub use budget::{CAP_NS as MOVE_BUDGET_CAP_NS, SHARE as MOVE_BUDGET_SHARE};
+pub use budget::{
+    warms_up, CAP_NS as MOVE_BUDGET_CAP_NS, SHARE as MOVE_BUDGET_SHARE,
+    WARM_GROWTH as MOVE_BUDGET_WARM_GROWTH, WINDOW_NS as MOVE_BUDGET_WINDOW_NS,
+};
 pub use checkpoint::{BlockLayout, Layout, Restored, SegmentLayout};
 use expandable::Pages;
 use free_index::FreeIndex;

@@ -171,18 +171,20 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
     }
 }
 
-/// Length of the windows of [`PolicyReport::worst_window_share`], µs.
-pub const WINDOW_US: u64 = 1_000_000;
+/// Length of the windows of [`PolicyReport::worst_window_share`], µs: the time budget's
+/// window and warm-up (`pool/budget.rs`).
+pub const WINDOW_US: u64 = crate::pool::MOVE_BUDGET_WINDOW_NS / 1_000;
 
 /// The warm-ups of a job whose live bytes after each event (and the event's `time_us`) are
 /// `timeline`: from each time the peak of live bytes grows by 1% or more over its value at
-/// the last such time (the job's first bytes included) to a second after it (the time budget's
-/// own rule, `pool/budget.rs`, on the peak of allocated bytes), merged where they meet.
+/// the last such time (the job's first bytes included; [`crate::pool::warms_up`], the time
+/// budget's own rule on the peak of allocated bytes) to a second after it, merged where they
+/// meet.
 pub fn warm_ups(timeline: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     let mut level = 0u64;
     for &(t, live) in timeline {
-        if live > 0 && live as u128 * 100 >= level as u128 * 101 {
+        if crate::pool::warms_up(live, level) {
             level = live;
             match out.last_mut() {
                 Some(w) if w.1 >= t => w.1 = t + WINDOW_US,
