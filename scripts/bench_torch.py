@@ -25,7 +25,9 @@ speed, which on the H100 machines differs by up to 20% between two processes of 
 allocator run this way (README, "Step times side by side"). With --groups N the settings run
 in N such groups, their order rotated from group to group, and each workload ends with the
 pooled ratios: every group's steps after the first --skip, median, 10th percentile (the fast
-level) and mean over native's, with 95% intervals from resampling whole groups.
+level) and mean over native's, and step by step (the geometric mean of each step's time over
+native's same step in its group: the figure for a job whose steps differ in shape), with 95%
+intervals from resampling whole groups.
 
 Workloads (seeded; bf16 autocast where training):
   gpt     12-layer d=1024 decoder (nn.TransformerEncoder), batch 8 x 1024 tokens, AdamW
@@ -48,6 +50,11 @@ Workloads (seeded; bf16 autocast where training):
           an optimizer step, fp16 autocast with a GradScaler, gradient clipping, AdamW
   unet    a diffusion UNet (channels 128/256/512/512, attention at the two lowest
           resolutions) predicting noise on batch 32 of 4 x 64 x 64 latents, bf16, AdamW
+  lora    LoRA fine-tuning with gradient checkpointing (the capacity job below), batch 8 x
+          1024 tokens
+  prefill long-context prefill of a 16-layer d=2048 Llama-style decoder, bf16, no gradients,
+          one prompt a step at a length drawn per step (512..16,384 tokens), its keys and
+          values kept and every position's logits computed
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps four times over
 (each pass after the first repeats its steps) with --cap-gb of the device free (the rest taken
@@ -60,6 +67,7 @@ the first, where no shape is new) is given against native's at its own largest.
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -90,7 +98,7 @@ def setting_env(s):
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
-             "accum", "unet"]
+             "accum", "unet", "lora", "prefill"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -244,6 +252,45 @@ def run_lora(torch, steps, B=8, T=1024, L=12, D=2048, H=16, FF=5632, V=32000, R=
         opt.step()
         opt.zero_grad(set_to_none=True)
         yield loss
+
+
+def run_prefill(torch, steps, L=16, D=2048, H=16, FF=5632, V=32000):
+    """Long-context prefill: a Llama-style decoder (RMSNorm, SwiGLU, causal attention) with
+    bf16 weights, no gradients, one prompt a step at a length drawn per step (512..16,384
+    tokens, log-uniform, a multiple of 256): every layer's keys and values are kept as the
+    step's cache, the logits of every position computed and the last one's taken in fp32, as
+    a generation library's first forward does."""
+    F = torch.nn.functional
+    gw = torch.Generator().manual_seed(13)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gw) * 0.02).to("cuda", torch.bfloat16)
+
+    blocks = [dict(q=w(D, D), k=w(D, D), v=w(D, D), o=w(D, D), gate=w(D, FF), up=w(D, FF),
+                   down=w(FF, D)) for _ in range(L)]
+    emb, head = w(V, D), w(D, V)
+
+    def rms(x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    g = torch.Generator().manual_seed(14)
+    for _ in range(steps):
+        t = 256 * max(2, round(2 ** (9 + 5 * float(torch.rand(1, generator=g))) / 256))
+        x = torch.randint(0, V, (1, t), generator=g).cuda()
+        cache = []
+        with torch.inference_mode():
+            h = emb[x]
+            for p in blocks:
+                z = rms(h)
+                q, k, v = ((z @ p[n]).view(1, t, H, D // H).transpose(1, 2) for n in "qkv")
+                cache.append((k, v))
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                h = h + a.transpose(1, 2).reshape(1, t, D) @ p["o"]
+                z = rms(h)
+                h = h + (F.silu(z @ p["gate"]) * (z @ p["up"])) @ p["down"]
+            logits = rms(h) @ head
+            last = logits[:, -1].float()
+        yield last.sum()
 
 
 def image_step(torch, m, opt, g, batch, hw):
@@ -595,6 +642,8 @@ def workload_steps(torch, workload, steps):
         "streams": lambda: run_streams(torch, steps),
         "accum": lambda: run_accum(torch, steps),
         "unet": lambda: run_unet(torch, steps),
+        "lora": lambda: run_lora(torch, steps),
+        "prefill": lambda: run_prefill(torch, steps),
     }[workload]()
 
 
@@ -863,8 +912,25 @@ def pooled_ratios(groups, skip, draws=2000, seed=1):
         for name, f in (("median", statistics.median), ("p10", p10)):
             boot = sorted(ratio([rng.choice(have) for _ in have], s, f) for _ in range(draws))
             res[name] = (ratio(have, s, f), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1])
+        boot = sorted(paired(rng.choices(have, k=len(have)), s, skip) for _ in range(draws))
+        res["paired"] = (paired(have, s, skip), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1])
         out[s] = res
     return out
+
+
+def paired(groups, s, skip):
+    """The geometric mean, over every group's steps after the first `skip`, of setting `s`'s
+    step time over native's same step in the same group (its k-th process against native's
+    k-th, or native's first). Where a job's steps differ in shape (a length drawn per step:
+    streams, varlen, moe), its step times fall in levels far apart (streams on an H200,
+    2026-11-28: 50-80 ms and 150-400 ms), and a median of all steps lands on either level by
+    a step or two; step by step, both processes ran the same shapes in turns."""
+    logs = []
+    for g in groups:
+        for k, run in enumerate(g[s]):
+            base = g["native"][k] if k < len(g["native"]) else g["native"][0]
+            logs += [math.log(x / y) for x, y in list(zip(run, base))[skip:] if x > 0 and y > 0]
+    return math.exp(statistics.mean(logs)) if logs else float("nan")
 
 
 def paired_ratio(r, base, warm=3):
@@ -1206,7 +1272,8 @@ def main():
             (med, lo, hi), (fast, flo, fhi) = r["median"], r["p10"]
             print(f"{w:<8} {st:<11} pooled over {r['groups']} groups (steps after {a.skip}), over "
                   f"native's: median {med:.4f} (95% {lo:.4f}-{hi:.4f}), 10th percentile {fast:.4f} "
-                  f"(95% {flo:.4f}-{fhi:.4f}), mean {r['mean']:.4f}")
+                  f"(95% {flo:.4f}-{fhi:.4f}), mean {r['mean']:.4f}; step by step "
+                  f"{r['paired'][0]:.4f} (95% {r['paired'][1]:.4f}-{r['paired'][2]:.4f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
