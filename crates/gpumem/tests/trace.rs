@@ -428,6 +428,8 @@ fn the_cost_model_keeps_driver_time_within_one_percent_on_every_real_trace() {
         "torch_gptenc_train.jsonl.gz",
         "torch_accum_train.jsonl.gz",
         "torch_streams_train.jsonl.gz",
+        "torch_lora_train.jsonl.gz",
+        "torch_prefill.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         for conf in ["", "expandable_segments:False"] {
@@ -510,6 +512,8 @@ fn after_the_warm_up_no_second_of_page_work_passes_one_percent_on_any_real_trace
         "torch_streams_train.jsonl.gz",
         "torch_accum_train.jsonl.gz",
         "torch_unet_train.jsonl.gz",
+        "torch_lora_train.jsonl.gz",
+        "torch_prefill.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         for lag in [None, Some(300), Some(3000)] {
@@ -531,7 +535,7 @@ fn after_the_warm_up_no_second_of_page_work_passes_one_percent_on_any_real_trace
         }
     }
     assert!(
-        windows >= 21,
+        windows >= 24,
         "{windows} replays with a second after their warm-up"
     );
     // the MoE job's seconds after its warm-up (from 2.6 s of its 7.1 s)
@@ -759,6 +763,23 @@ fn real_traces_with_a_lagging_gpu() {
         // before the windows of page work after the warm-up, whose refused moves overdraw
         // nothing and so do not stop the rest; the H200 with gpumem over 30 steps: 1.080-1.090)
         ("torch_moe40_train.jsonl.gz", 1.091),
+        // Two jobs of the kinds the brief's held-out runs named, added to `bench_torch.py`
+        // and recorded on an H200 2026-11-28 (`record_torch_trace.py -- bench_torch.py
+        // --worker W native --steps N`) after the policy was written. LoRA fine-tuning with
+        // gradient checkpointing (10 steps; native 1.292): 1.0186 / 1.0186 / 1.1578. With the
+        // GPU 3,000 calls behind, its plan is declined at both starts it may take (placed
+        // around what is live there, 6,174 and 5,634 MiB against a high-water mark of 5,558)
+        // and the dynamic layout, which moves 1.3 GB of pages a step around the loss, finds no
+        // room in the window in step 4 and grows 704 MiB. Before a plan's first period warmed
+        // the job up: 1.1286 / 1.0936 / 1.1578 (the region's moves refused by the window). The
+        // H200 with gpumem: 1.019 (expandable segments 1.125).
+        ("torch_lora_train.jsonl.gz", 1.158),
+        // Long-context prefill (16 steps, a length drawn per step from 512 to 16,384 tokens;
+        // native 1.551): 1.0055 / 1.0986 / 1.0944. With the GPU behind, a longer prompt's
+        // logits come while the last one's free pages are not yet known idle: growth, as
+        // each longer prompt raises the peak (the H200 with gpumem: 1.005; expandable
+        // segments 1.111).
+        ("torch_prefill.jsonl.gz", 1.099),
     ];
     for (name, bound) in cases {
         let events = read_trace(&data(name)).unwrap();

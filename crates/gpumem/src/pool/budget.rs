@@ -42,7 +42,9 @@
 //!   growing (a KV cache) moves as the credit allows;
 //! - the job warms up for [`WINDOW_NS`] after its peak of allocated bytes grows by
 //!   [`WARM_GROWTH`] percent or more over its value the last time it did (its first steps, a
-//!   longer sequence, a new phase); after that, the page work of the last [`WINDOW_NS`]
+//!   longer sequence, a new phase), and after a planned layout first takes its region (the
+//!   region's first period maps its pages where the dynamic layout left others: once per
+//!   plan; `CachingPool::plan_installs`); after that, the page work of the last [`WINDOW_NS`]
 //!   (growth, moves, giving back: as measured) is logged, and a move is made only where that
 //!   window has room within [`SHARE`] for it (as long as the longest move so far) and for as
 //!   much again as the window's moves took, which a refusal leaves to growth in their place
@@ -169,8 +171,15 @@ impl MoveBudget {
         ok
     }
 
+    /// The job warms up from `now` for [`WINDOW_NS`] (at least): a planned layout takes its
+    /// region for the first time, and its first period maps the region's pages (see
+    /// `CachingPool::plan_installs`).
+    pub(super) fn warm_up(&mut self, now: u64) {
+        self.warm_until = self.warm_until.max(now.saturating_add(WINDOW_NS));
+    }
+
     /// Whether the job warms up at `now`: within [`WINDOW_NS`] of its peak of allocated bytes
-    /// growing by [`WARM_GROWTH`] percent or more.
+    /// growing by [`WARM_GROWTH`] percent or more, or of a plan first taking its region.
     fn warm(&self, now: u64) -> bool {
         now < self.warm_until
     }

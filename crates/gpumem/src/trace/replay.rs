@@ -179,7 +179,8 @@ pub const WINDOW_US: u64 = crate::pool::MOVE_BUDGET_WINDOW_NS / 1_000;
 /// `timeline`: from each time the peak of live bytes grows by 1% or more over its value at
 /// the last such time (the job's first bytes included; [`crate::pool::warms_up`], the time
 /// budget's own rule on the peak of allocated bytes) to a second after it, merged where they
-/// meet.
+/// meet. The pool also warms up when a planned layout first takes its region; the replay's
+/// windows do not leave those seconds out, so they are held to 1% as well.
 pub fn warm_ups(timeline: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
     let mut level = 0u64;
