@@ -766,14 +766,14 @@ fn real_traces_with_a_lagging_gpu() {
         // Two jobs of the kinds the brief's held-out runs named, added to `bench_torch.py`
         // and recorded on an H200 2026-11-28 (`record_torch_trace.py -- bench_torch.py
         // --worker W native --steps N`) after the policy was written. LoRA fine-tuning with
-        // gradient checkpointing (10 steps; native 1.292): 1.0186 / 1.0186 / 1.1578. With the
-        // GPU 3,000 calls behind, its plan is declined at both starts it may take (placed
-        // around what is live there, 6,174 and 5,634 MiB against a high-water mark of 5,558)
-        // and the dynamic layout, which moves 1.3 GB of pages a step around the loss, finds no
-        // room in the window in step 4 and grows 704 MiB. Before a plan's first period warmed
-        // the job up: 1.1286 / 1.0936 / 1.1578 (the region's moves refused by the window). The
-        // H200 with gpumem: 1.019 (expandable segments 1.125).
-        ("torch_lora_train.jsonl.gz", 1.158),
+        // gradient checkpointing (10 steps; native 1.292): 1.0186 at every lag. Before a
+        // plan's first take-up warmed the job up, 1.1286 / 1.0936 (the region's moves refused
+        // by the window, grown instead); before a block live across a plan's start could be
+        // held where it lies only until its free, 1.1578 with the GPU 3,000 calls behind (its
+        // plan declined at both starts, 6,174 and 5,634 MiB against a high-water mark of 5,558,
+        // and the dynamic layout, which moves 1.3 GB of pages a step around the loss, grew 704
+        // MiB in step 4). The H200 with gpumem: 1.019 (expandable segments 1.125).
+        ("torch_lora_train.jsonl.gz", 1.019),
         // Long-context prefill (16 steps, a length drawn per step from 512 to 16,384 tokens;
         // native 1.551): 1.0055 / 1.0986 / 1.0944. With the GPU behind, a longer prompt's
         // logits come while the last one's free pages are not yet known idle: growth, as
