@@ -112,26 +112,29 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 
 /// A plan's offsets at a start, around the `fixed` ranges of the blocks in its way and the
 /// blocks `live` from the period before (slot index, offset: their lives wrap around the
-/// start), and the bytes the layout spans. The smaller of two placements (the first on a
-/// tie): each live block pinned where it lies, its slot there for good; and each held where
-/// it lies only until its free in the first period (a life of its own from the start to
-/// its free), its slot placed as any other for the periods after. The second is the looser:
+/// start), and the bytes the layout spans. Each live block pinned where it lies, its slot
+/// there for good; where that spans more than `limit` bytes (the most a region may span and
+/// still be worth planning: `worth_region`), the smaller of that and a second placement
+/// (the first on a tie), with each live block held where it lies only until its free in the
+/// first period (a life of its own from the start to its free), its slot placed as any other
+/// for the periods after (the placement's work twice, only for a plan that would otherwise
+/// be declined). The second is the looser:
 /// where the dynamic layout left a block live across the start at an awkward place, pinning
 /// its slot there bends every later period around it (LoRA's trace with the GPU 3,000 calls
 /// behind: 6,174 and 5,634 MiB at the two starts its plan could take, both declined against
 /// a high-water mark of 5,558, and the dynamic layout then grew to 1.158 of live; held,
 /// the plan is taken at 1.0186). Taken alone, the second lost elsewhere (gpt_train 1.0223
 /// -> 1.0312, gptfix 1.0115 -> 1.0122: where it spans more, its slots' first period moves
-/// more), so both are placed and the smaller kept; every other trace replays as with the
-/// first alone.
+/// more), so it is a fallback.
 fn place_at_start(
     lives: &[Life],
     period: u32,
     fixed: &[(u64, u64)],
     live: &[(usize, u64)],
+    limit: u64,
 ) -> (Vec<u64>, u64) {
     let pinned = place_pinned(lives, period, fixed, live, true);
-    if live.is_empty() {
+    if live.is_empty() || pinned.1 <= limit {
         return pinned;
     }
     let mut all = lives.to_vec();
@@ -832,6 +835,13 @@ pub(super) struct Home {
 fn worth_planning(reserved: u64, mapped: u64, region: u64, high_water: u64) -> bool {
     let with_plan = reserved.saturating_sub(mapped) + region;
     with_plan as u128 * 100 <= high_water as u128 * 101
+}
+
+/// The most bytes a region may span and be worth planning (`worth_planning`), in whole pages
+/// of `page` bytes.
+fn worth_region(reserved: u64, mapped: u64, high_water: u64, page: u64) -> u64 {
+    let most = (high_water as u128 * 101 / 100).min(u64::MAX as u128) as u64;
+    most.saturating_sub(reserved.saturating_sub(mapped)) / page * page
 }
 
 /// What a plan is placed around at its start: the ranges `[lo, hi)` of the blocks in the
@@ -2167,6 +2177,7 @@ impl CachingPool {
     /// (the orders of [`place`], side by side).
     fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
+        let limit = self.plan_worth_region(seg);
         let around = self.plan_around(i, seg, self.plans.repeats.events(), false);
         let p = &mut self.plans.plans[i];
         if p.placed_around.as_ref() == Some(&around) {
@@ -2191,7 +2202,7 @@ impl CachingPool {
             None => {
                 self.stats.num_plan_placements += 1;
                 let period = p.pos.len() as u32;
-                place_at_start(&p.layout.lives, period, &around.0, &around.1)
+                place_at_start(&p.layout.lives, period, &around.0, &around.1, limit)
             }
         };
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
@@ -2201,6 +2212,17 @@ impl CachingPool {
         }
         p.layout.region = total.div_ceil(page).max(1) * page;
         p.placed_around = Some(around);
+    }
+
+    /// The most bytes a region taking over segment `seg` may span and be worth planning now
+    /// (`worth_region`).
+    fn plan_worth_region(&self, seg: u32) -> u64 {
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let mapped = self.segments[seg as usize]
+            .pages
+            .as_ref()
+            .map_or(0, |p| p.mapped * page);
+        worth_region(self.stats.reserved(), mapped, self.high_water, page)
     }
 
     /// What plan `i` is placed around at a start when the detector has counted `n0` events,
@@ -2277,7 +2299,8 @@ impl CachingPool {
         }
         let (lives, period) = (p.layout.lives.clone(), p.pos.len() as u32);
         let (fixed, pinned) = around.clone();
-        let place = move || place_at_start(&lives, period, &fixed, &pinned);
+        let limit = self.plan_worth_region(seg);
+        let place = move || place_at_start(&lives, period, &fixed, &pinned, limit);
         let job = if matches!(
             self.backend.location(),
             crate::resource::Location::Simulated
@@ -2810,6 +2833,13 @@ mod tests {
         assert!(worth_planning(10 * g, 8 * g, 8 * g + g / 5, 10 * g + g / 2));
         // a region smaller than what it replaces always pays
         assert!(worth_planning(10 * g, 8 * g, 7 * g, 10 * g));
+        // the most a region may span: worth it up to there, not a page beyond
+        let page = 2 << 20;
+        for (reserved, mapped, high) in [(10 * g, 8 * g, 10 * g), (10 * g, 3 * g, 11 * g)] {
+            let most = worth_region(reserved, mapped, high, page);
+            assert!(most % page == 0 && worth_planning(reserved, mapped, most, high));
+            assert!(!worth_planning(reserved, mapped, most + page, high));
+        }
     }
 
     #[test]
@@ -2890,14 +2920,17 @@ mod tests {
         let lives = [life(1024, 8, 2), life(4096, 3, 9)];
         let (pinned, spans) = place_pinned(&lives, 10, &[], &[(0, 1024)], true);
         assert_eq!((pinned[0], spans), (1024, 6144));
-        let (off, total) = place_at_start(&lives, 10, &[], &[(0, 1024)]);
+        let (off, total) = place_at_start(&lives, 10, &[], &[(0, 1024)], 0);
         assert_eq!((off.len(), total), (2, 5120));
         // W's next life keeps off C and off the bytes W holds until its free
         let apart = |a: u64, n: u64, b: u64, m: u64| a + n <= b || b + m <= a;
         assert!(apart(off[0], 1024, off[1], 4096) && apart(off[0], 1024, 1024, 1024));
-        // where pinning spans no more, it is kept: W at 0 stays there
-        let (off, total) = place_at_start(&lives, 10, &[], &[(0, 0)]);
+        // where pinning spans no more, it is kept: W at 0 stays there; and where it spans no
+        // more than the limit (a plan worth having), it is not tried
+        let (off, total) = place_at_start(&lives, 10, &[], &[(0, 0)], 0);
         assert_eq!((off[0], total), (0, 5120));
+        let (off, total) = place_at_start(&lives, 10, &[], &[(0, 1024)], 6144);
+        assert_eq!((off[0], total), (1024, 6144));
     }
 
     proptest::proptest! {
