@@ -112,20 +112,19 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 
 /// A plan's offsets at a start, around the `fixed` ranges of the blocks in its way and the
 /// blocks `live` from the period before (slot index, offset: their lives wrap around the
-/// start), and the bytes the layout spans. Each live block pinned where it lies, its slot
+/// start), and the bytes the layout spans. Each live block is pinned where it lies, its slot
 /// there for good; where that spans more than `limit` bytes (the most a region may span and
-/// still be worth planning: `worth_region`), the smaller of that and a second placement
-/// (the first on a tie), with each live block held where it lies only until its free in the
-/// first period (a life of its own from the start to its free), its slot placed as any other
-/// for the periods after (the placement's work twice, only for a plan that would otherwise
-/// be declined). The second is the looser:
-/// where the dynamic layout left a block live across the start at an awkward place, pinning
-/// its slot there bends every later period around it (LoRA's trace with the GPU 3,000 calls
-/// behind: 6,174 and 5,634 MiB at the two starts its plan could take, both declined against
-/// a high-water mark of 5,558, and the dynamic layout then grew to 1.158 of live; held,
-/// the plan is taken at 1.0186). Taken alone, the second lost elsewhere (gpt_train 1.0223
-/// -> 1.0312, gptfix 1.0115 -> 1.0122: where it spans more, its slots' first period moves
-/// more), so it is a fallback.
+/// still be worth planning: `worth_region`), a second placement is made, with each live
+/// block held where it lies only until its free in the first period (a life of its own from
+/// the start to its free) and its slot placed as any other for the periods after, and the
+/// smaller kept (the first on a tie). The second is the looser: where the dynamic layout left
+/// a block live across the start at an awkward place, pinning its slot there bends every
+/// later period around it (LoRA's trace with the GPU 3,000 calls behind: 6,174 and 5,634 MiB
+/// at the two starts its plan could take, both declined against a high-water mark of 5,558,
+/// and the dynamic layout then grew to 1.158 of live; held, the plan is taken, 1.0186). Made
+/// at every start, it lost elsewhere (gpt_train 1.0223 -> 1.0312, gptfix 1.0115 -> 1.0122:
+/// its slots' first period moved more) and doubled the placement's work, so it is made only
+/// for a plan that would otherwise be declined.
 fn place_at_start(
     lives: &[Life],
     period: u32,
@@ -2168,12 +2167,13 @@ impl CachingPool {
     /// Place plan `i` again now, at its start, around what its home segment `seg` holds: its
     /// blocks that are still live from the period before (their lives wrap around the start)
     /// keep the places they have (pinned there, or held there until their free: see
-    /// [`place_at_start`]), every other block in use stays in the way (`plan_around`). At every start whose blocks in the way differ from the
-    /// last one's: a job that comes back to a plan now and then (a length that recurs) mostly
-    /// finds the same ones, its weights and optimizer state, and keeps the offsets it had (86
-    /// of 102 starts on a 1,600-step variable-length replay). The placement made ahead of
-    /// the start (`plan_place_ahead`) is taken where it was made around the same blocks (its
-    /// thread joined if it has not finished); else it is made here, on the allocating thread
+    /// [`place_at_start`]), every other block in use stays in the way (`plan_around`). At
+    /// every start whose blocks in the way differ from the last one's: a job that comes back
+    /// to a plan now and then (a length that recurs) mostly finds the same ones, its weights
+    /// and optimizer state, and keeps the offsets it had (86 of 102 starts on a 1,600-step
+    /// variable-length replay). The placement made ahead of the start (`plan_place_ahead`)
+    /// is taken where it was made around the same blocks (its thread joined if it has not
+    /// finished); else it is made here, on the allocating thread
     /// (the orders of [`place`], side by side).
     fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
@@ -2228,9 +2228,9 @@ impl CachingPool {
     /// What plan `i` is placed around at a start when the detector has counted `n0` events,
     /// in its home segment `seg`: the ranges of the blocks in use there (or waiting on
     /// events), but those of its blocks still live from the period before (their lives wrap
-    /// around the start), which are pinned where they lie. With `ahead` (a start to come,
-    /// the job in step with the plan until then), the blocks that the plan frees before the
-    /// start (allocated in its last two periods) are left out.
+    /// around the start), which keep where they lie (see [`place_at_start`]). With `ahead` (a
+    /// start to come, the job in step with the plan until then), the blocks that the plan
+    /// frees before the start (allocated in its last two periods) are left out.
     fn plan_around(&self, i: usize, seg: u32, n0: u64, ahead: bool) -> Around {
         let p = &self.plans.plans[i];
         let period = p.pos.len() as u64;
