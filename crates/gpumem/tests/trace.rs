@@ -777,8 +777,8 @@ fn real_traces_with_a_lagging_gpu() {
         // Long-context prefill (16 steps, a length drawn per step from 512 to 16,384 tokens;
         // native 1.551): 1.0055 / 1.0986 / 1.0944. With the GPU behind, a longer prompt's
         // logits come while the last one's free pages are not yet known idle: growth, as
-        // each longer prompt raises the peak (the H200 with gpumem: 1.005; expandable
-        // segments 1.111).
+        // each longer prompt raises the peak (the H200 with gpumem: 1.005 and 1.023 in two
+        // calls; expandable segments 1.111).
         ("torch_prefill.jsonl.gz", 1.099),
     ];
     for (name, bound) in cases {
