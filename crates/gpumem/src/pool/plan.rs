@@ -830,14 +830,16 @@ pub(super) struct Home {
 /// Whether a plan whose region spans `region` bytes, taking over a segment with `mapped`
 /// bytes mapped while the pool reserves `reserved`, is worth having: reserved memory with it
 /// stays within 1% of the high-water mark `high_water` the dynamic layout reached. Otherwise
-/// the dynamic layout goes on, for good.
+/// the dynamic layout goes on, for good. The rule as stated; the pool applies it as
+/// [`worth_region`], its bound on a region of whole pages (the tests hold the two equal).
+#[cfg(test)]
 fn worth_planning(reserved: u64, mapped: u64, region: u64, high_water: u64) -> bool {
     let with_plan = reserved.saturating_sub(mapped) + region;
     with_plan as u128 * 100 <= high_water as u128 * 101
 }
 
 /// The most bytes a region may span and be worth planning (`worth_planning`), in whole pages
-/// of `page` bytes.
+/// of `page` bytes: a plan whose region (whole pages) spans more is declined.
 fn worth_region(reserved: u64, mapped: u64, high_water: u64, page: u64) -> u64 {
     let most = (high_water as u128 * 101 / 100).min(u64::MAX as u128) as u64;
     most.saturating_sub(reserved.saturating_sub(mapped)) / page * page
@@ -2098,13 +2100,7 @@ impl CachingPool {
         if let Some((seg, addr)) = home {
             if self.segment_index.get(&addr) == Some(&seg) {
                 self.plan_place_at_start(i, seg);
-                let page = self.policy.page.unwrap_or(MIN_BLOCK);
-                let mapped = self.segments[seg as usize]
-                    .pages
-                    .as_ref()
-                    .map_or(0, |p| p.mapped * page);
-                let region = self.plans.plans[i].layout.region;
-                if !worth_planning(self.stats.reserved(), mapped, region, self.high_water) {
+                if self.plans.plans[i].layout.region > self.plan_worth_region(seg) {
                     let p = &mut self.plans.plans[i];
                     p.declines += 1;
                     if p.declines == MAX_DECLINES {
