@@ -1175,6 +1175,10 @@ def main():
     p.add_argument("--groups", type=int, default=1,
                    help="lockstep: run this many groups of the settings per workload, the "
                         "order rotated from group to group, and report the pooled ratios")
+    p.add_argument("--first-group", type=int, default=0,
+                   help="lockstep: number the groups from this one (the settings' order "
+                        "rotates with the number: runs of one group each pass 0, 1, 2, ... "
+                        "so that no setting's process is always started first)")
     p.add_argument("--skip", type=int, default=6,
                    help="lockstep groups: steps left out of the pooled ratios at each start")
     p.add_argument("--lockstep", action="store_true",
@@ -1213,7 +1217,7 @@ def main():
         if a.lockstep and w not in WHOLE_RUN:
             settings = a.settings.split(",")
             groups = []
-            for g in range(max(a.groups, 1)):
+            for g in range(a.first_group, a.first_group + max(a.groups, 1)):
                 order = settings[g % len(settings):] + settings[:g % len(settings)]
                 times = {}
                 for res in lockstep_run(w, order, a.steps, here):
