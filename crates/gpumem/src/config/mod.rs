@@ -126,7 +126,7 @@ pub struct PoolConfig {
     /// `host_alloc_ns` and `host_free_ns`: two clock reads a call, off by default.
     pub time_calls: bool,
     /// A job that repeats gets a planned layout (expandable segments only; see
-    /// `pool/plan.rs`), where it takes at most 1% more memory than the dynamic layout held.
+    /// `pool/plan/`), where it takes at most 1% more memory than the dynamic layout held.
     pub planned_layout: bool,
 }
 

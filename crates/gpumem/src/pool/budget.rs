@@ -230,7 +230,7 @@ impl MoveBudget {
         }
     }
 
-    /// Whether memory may be given back at `now` (a plan's unused pages, `plan.rs`): paid
+    /// Whether memory may be given back at `now` (a plan's unused pages, `plan/give_back.rs`): paid
     /// from growth's account, like a move for a demand met before (giving a page back costs
     /// about what mapping it did), so that it takes at most what growth past the high-water
     /// mark took, whatever the credit; after the warm-up, only where the window has room, as

@@ -24,7 +24,7 @@
 //! - `lending.rs`: with several streams, a stream that would have to move pages takes a free,
 //!   mapped block of another stream's expandable segment instead, ordered after that stream's
 //!   work by an event wait on the GPU (as `cudaMallocAsync` shares one pool across streams).
-//! - `repeat.rs`, `plan.rs` (`planned_layout:True`, off by default): a job whose large-block
+//! - `repeat.rs`, `plan/` (`planned_layout`, on by default): a job whose large-block
 //!   events repeat gets its step placed once by the blocks' lifetimes, in its large
 //!   expandable segment around the blocks that stay, and served by position in the period.
 //! - `events.rs`: blocks other streams still use ([`CachingPool::record_stream`]) wait for
@@ -129,7 +129,7 @@ struct Segment {
     last_used: u64,
     /// which pages are mapped, for an expandable segment
     pages: Option<Box<Pages>>,
-    /// a planned layout's region (see `plan.rs`): its free blocks stay out of the free sets
+    /// a planned layout's region (see `plan/`): its free blocks stay out of the free sets
     planned: bool,
 }
 
@@ -291,7 +291,7 @@ pub struct SegmentInfo {
     pub kind: PoolKind,
     /// an expandable (virtual-memory) segment
     pub expandable: bool,
-    /// a planned layout's region (see `plan.rs`), not the dynamic pool's
+    /// a planned layout's region (see `plan/`), not the dynamic pool's
     pub planned: bool,
     /// `(address, bytes)` ranges backed by memory: all of a classic segment, the mapped pages of
     /// an expandable one
@@ -364,7 +364,7 @@ pub struct CachingPool {
     device_safe: u64,
     /// the time budget of page moves
     budget: budget::MoveBudget,
-    /// the job's period and its planned layouts (see `plan.rs`)
+    /// the job's period and its planned layouts (see `plan/`)
     plans: plan::Plans,
     /// highest reserved bytes of this pool since its cache was last released (expandable
     /// segments: below it, pages are mapped rather than moved)

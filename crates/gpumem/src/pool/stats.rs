@@ -151,7 +151,7 @@ pub struct Stats {
     /// nanoseconds the allocating threads spent mapping pages (moves included): what page
     /// work costs the job where it waits
     pub page_map_ns: u64,
-    /// planned layouts made (see `pool/plan.rs`)
+    /// planned layouts made (see `pool/plan/`)
     pub num_plans: u64,
     /// plans that would have taken more memory than the dynamic layout held, left unused
     pub num_plans_declined: u64,
