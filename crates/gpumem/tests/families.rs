@@ -295,10 +295,10 @@ fn long_runs_of_changing_shapes_cost_no_more_with_plans() {
 
 /// Fixed-shape training over 16 steps, every draw of 10 with and without GPU lag: once its
 /// plan has served a cycle and given back the pages of its region that no slot uses (see
-/// `plan_settled` in `pool/plan/give_back.rs`), its last three steps hold within 1.2% of what is live
-/// (mean 1.0034 over the 30 runs, where it was 1.0268 and the worst 1.0503 when the plan
-/// kept every page the first steps had mapped), and its last step makes no driver call. The
-/// whole run's peak, which the first steps set before any plan, is unchanged.
+/// `plan_settled` in `pool/plan/give_back.rs`), its last three steps hold within 1.2% of what
+/// is live (mean 1.0034 over the 30 runs, where it was 1.0268 and the worst 1.0503 when the
+/// plan kept every page the first steps had mapped), and its last step makes no driver call.
+/// The whole run's peak, which the first steps set before any plan, is unchanged.
 #[test]
 fn fixed_shape_jobs_hold_what_their_plans_need_once_settled() {
     let steps = 16;

@@ -963,12 +963,13 @@ fn a_plans_start_and_give_back_leave_the_allocating_thread() {
     }
 }
 
-/// LoRA (`torch_lora_train`) where the driver's calls cost 1.5 times the model's, as they do in
-/// some processes on the H200: three real runs of nine held 1.123 of their live peak there,
-/// and the replay does the same. Step 3's moves find the window of page work too full and
-/// growth takes their place: the time budget holds and memory pays (`docs/first-steps.md`,
-/// stop 78). Asserted: the window within 1%, the last steps back at the plan's layout, and
-/// the whole run not above PyTorch's expandable segments on the same job (1.125, H200).
+/// LoRA (`torch_lora_train`) where the driver's calls cost 1.5 times the model's, as they seem
+/// to in some processes on the H200: three real runs of nine held 1.123 of their live peak,
+/// and the replay at that cost gives the same. Step 3's moves find the window of page work
+/// too full and growth takes their place: the time budget holds and memory pays
+/// (`docs/first-steps.md`, stop 78). Asserted: the window within 1%, the last steps back at
+/// the plan's layout, and the whole run not above PyTorch's expandable segments on the same
+/// job (1.125, H200).
 #[test]
 fn a_slower_driver_costs_lora_memory_in_its_first_steps_not_time() {
     use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};

@@ -230,11 +230,11 @@ impl MoveBudget {
         }
     }
 
-    /// Whether memory may be given back at `now` (a plan's unused pages, `plan/give_back.rs`): paid
-    /// from growth's account, like a move for a demand met before (giving a page back costs
-    /// about what mapping it did), so that it takes at most what growth past the high-water
-    /// mark took, whatever the credit; after the warm-up, only where the window has room, as
-    /// for a move.
+    /// Whether memory may be given back at `now` (a plan's unused pages,
+    /// `plan/give_back.rs`): paid from growth's account, like a move for a demand met before
+    /// (giving a page back costs about what mapping it did), so that it takes at most what
+    /// growth past the high-water mark took, whatever the credit; after the warm-up, only
+    /// where the window has room, as for a move.
     pub(super) fn may_give_back(&mut self, now: u64) -> bool {
         self.growth_spent_ns < self.growth_ns
             && (self.warm(now) || self.window_room(now) >= self.longest_ns + self.window_moves_ns)

@@ -11,9 +11,9 @@
 //! [`SAMPLE`] (by its hash, so the same windows are sampled in every period) is remembered
 //! with where it was seen, and seeing it again proposes the distance as a period. Each event
 //! costs a hash update and one comparison per candidate (at most [`CANDIDATES`]), and nothing
-//! but a count while a plan follows the job (`plan/serve.rs`: its cursor compares each event with
-//! the plan, the same comparison; the history is not written then, see [`Repeats::note`] and
-//! [`Repeats::skip`]); the memory is bounded ([`MAX_PERIOD`] events of history, a bounded
+//! but a count while a plan follows the job (`plan/serve.rs`: its cursor compares each event
+//! with the plan, the same comparison; the history is not written then, see [`Repeats::note`]
+//! and [`Repeats::skip`]); the memory is bounded ([`MAX_PERIOD`] events of history, a bounded
 //! table of windows).
 
 use rustc_hash::FxHashMap;
