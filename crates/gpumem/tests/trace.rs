@@ -583,20 +583,30 @@ fn the_fixed_shape_gpt_is_planned_and_its_later_steps_make_no_driver_call() {
     }
 }
 
-/// Trace `name` replayed with the default policy, the GPU `lag` calls behind: the replay, the
-/// replayed event at which its last driver call was made, and how many events it replayed.
-fn last_driver_call(name: &str, lag: Option<u64>) -> (gpumem::trace::Replay, usize, usize) {
-    use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};
+/// Trace `name` replayed with the default policy, the GPU `lag` calls behind, on a device
+/// whose driver calls cost `cost`.
+fn default_replay(
+    name: &str,
+    lag: Option<u64>,
+    cost: gpumem::trace::CostModel,
+) -> gpumem::trace::Replay {
+    use gpumem::trace::{replay_simulated_at, SIM_CAPACITY};
     let events = read_trace(&data(name)).unwrap();
-    let r = replay_simulated_at(
+    replay_simulated_at(
         "gpumem",
         &events,
         &Config::default(),
         SIM_CAPACITY,
         lag,
-        CostModel::default(),
+        cost,
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// Trace `name` replayed with the default policy, the GPU `lag` calls behind: the replay, the
+/// replayed event at which its last driver call was made, and how many events it replayed.
+fn last_driver_call(name: &str, lag: Option<u64>) -> (gpumem::trace::Replay, usize, usize) {
+    let r = default_replay(name, lag, gpumem::trace::CostModel::default());
     let n = r.calls.len();
     let last = r.calls[n - 1];
     let quiet_from = r.calls.iter().position(|&c| c == last).unwrap();
@@ -972,17 +982,8 @@ fn a_plans_start_and_give_back_leave_the_allocating_thread() {
 /// job (1.125, H200).
 #[test]
 fn a_slower_driver_costs_lora_memory_in_its_first_steps_not_time() {
-    use gpumem::trace::{replay_simulated_at, CostModel, SIM_CAPACITY};
-    let events = read_trace(&data("torch_lora_train.jsonl.gz")).unwrap();
-    let r = replay_simulated_at(
-        "gpumem",
-        &events,
-        &Config::default(),
-        SIM_CAPACITY,
-        None,
-        CostModel::default().scaled(1.5),
-    )
-    .unwrap();
+    let cost = gpumem::trace::CostModel::default().scaled(1.5);
+    let r = default_replay("torch_lora_train.jsonl.gz", None, cost);
     let rep = &r.report;
     let ratio = rep.peak_reserved_bytes as f64 / rep.peak_live_bytes as f64;
     let window = rep.worst_window_share.expect("real traces have times");
