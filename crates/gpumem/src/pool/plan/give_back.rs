@@ -94,7 +94,17 @@ impl CachingPool {
         }
         let p = &mut self.plans.plans[i];
         let mut waiting = std::mem::take(&mut p.give_back.waiting);
-        waiting.retain(|(_, _, slots)| slots.iter().all(|&k| p.taken[k as usize].at < since));
+        let mut taken = Vec::new();
+        waiting.retain(|(_, _, slots)| {
+            let idle = slots.iter().all(|&k| p.taken[k as usize].at < since);
+            if !idle {
+                taken.extend_from_slice(slots);
+            }
+            idle
+        });
+        if !taken.is_empty() {
+            self.plan_retry_when_idle(i, events, &taken);
+        }
         let (stream, tick) = {
             let p = &self.plans.plans[i];
             (p.layout.stream, p.give_back.tick)
@@ -109,6 +119,54 @@ impl CachingPool {
         let before = self.stats.reserved();
         self.plan_split(i, waiting);
         self.gave_back(started, before);
+    }
+
+    /// Handles of plan `i` whose `slots` were taken before the GPU was known done with them
+    /// (at the detector's event `events`): the next try comes where those slots are free
+    /// longest in the period (its first position), not a cycle after this one, at the same
+    /// point, where they would be taken again as soon. With the GPU behind, a checkpoint
+    /// recorded at the cycle's end completes only after the first slot of gptfix's one
+    /// handle to split is taken in the next (the GPU 300 calls behind: the region's last
+    /// steps held 1.0063 of live, where a try in its slots' idle stretch gives 1.001).
+    pub(super) fn plan_retry_when_idle(&mut self, i: usize, events: u64, slots: &[u32]) {
+        let p = &mut self.plans.plans[i];
+        let Some(c) = p.cursor else {
+            return;
+        };
+        let period = p.pos.len() as u32;
+        let mut held = vec![0i32; period as usize + 1];
+        for &k in slots {
+            for (a, b) in p.layout.lives[k as usize].spans(period) {
+                if a < b {
+                    held[a as usize] += 1;
+                    held[b as usize] -= 1;
+                }
+            }
+        }
+        let mut now = 0;
+        let busy: Vec<bool> = held[..period as usize]
+            .iter()
+            .map(|d| {
+                now += d;
+                now > 0
+            })
+            .collect();
+        // the longest run of positions where none is held, around the period's end too
+        let (mut best, mut run) = (None, 0u32);
+        for x in 0..2 * period {
+            if busy[(x % period) as usize] {
+                run = 0;
+                continue;
+            }
+            run += 1;
+            if run <= period && best.is_none_or(|(_, n)| run > n) {
+                best = Some(((x + 1 - run) % period, run));
+            }
+        }
+        if let Some((first, _)) = best {
+            // (the event after the free at `first`: a free is noted before it is made)
+            p.give_back.next_at = events + u64::from((first + 2 + period - c) % period);
+        }
     }
 
     /// The physical handles of plan `i`'s region that hold pages none of its slots uses

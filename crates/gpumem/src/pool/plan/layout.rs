@@ -81,12 +81,78 @@ pub(super) fn place_at_start(
         }
     }
     let (mut offsets, total) = place_pinned(&all, period, fixed, &held, true);
-    if total < pinned.1 {
-        offsets.truncate(lives.len());
+    offsets.truncate(lives.len());
+    let mut best = if total < pinned.1 {
         (offsets, total)
     } else {
         pinned
+    };
+    // upside down: the first at the limit, the second as tight as the first allows
+    let mut top = limit;
+    for _ in 0..2 {
+        match place_reflected(lives, period, fixed, live, top) {
+            Some(r) if r.1 < best.1 => {
+                top = r.2;
+                best = (r.0, r.1);
+            }
+            _ => break,
+        }
     }
+    best
+}
+
+/// [`place_pinned`] upside down above the `fixed` ranges: each `live` block pinned at its
+/// reflection in `[base, top)` (`base` the top of the fixed ranges), the layout made, and
+/// every block placed at or above `base` reflected back, so that the live blocks lie where
+/// they are. The dynamic layout leaves a block live across a start where it found room, often
+/// high in the segment; pinned there, a placement from the bottom up bends around it (gptfix at
+/// step 4's start, 500 MiB of logits at 8,524 MiB: 10,034 MiB, where pinned at 4,616-7,000 it
+/// packs into the fixed blocks plus the step's peak, 9,534). `None` where a live block lies
+/// below `base` or above `top`, or the layout passes `top` or has a block across `base`; else
+/// the offsets, the bytes spanned (`top`) and the least `top` that the same layout would take.
+pub(super) fn place_reflected(
+    lives: &[Life],
+    period: u32,
+    fixed: &[(u64, u64)],
+    live: &[(usize, u64)],
+    top: u64,
+) -> Option<(Vec<u64>, u64, u64)> {
+    let base = fixed.iter().map(|f| f.1).max().unwrap_or(0);
+    let mut pins = Vec::with_capacity(live.len());
+    for &(k, off) in live {
+        let end = off + lives[k].size;
+        if off < base || end > top {
+            return None;
+        }
+        pins.push((k, base + top - end));
+    }
+    let (offsets, total) = place_pinned(lives, period, fixed, &pins, true);
+    let across = lives
+        .iter()
+        .zip(&offsets)
+        .any(|(l, &o)| o < base && o + l.size > base);
+    if total > top || across {
+        return None;
+    }
+    let reflected = lives
+        .iter()
+        .zip(&offsets)
+        .map(|(l, &o)| {
+            if o >= base {
+                base + top - o - l.size
+            } else {
+                o
+            }
+        })
+        .collect();
+    // the same layout reflected within [base, least) puts the live blocks `top - least` lower
+    let least = live
+        .iter()
+        .map(|&(k, off)| off + lives[k].size)
+        .max()
+        .unwrap_or(0)
+        .max(total);
+    Some((reflected, top, least))
 }
 
 /// The (order, best gap) pairs [`place`] tries, in the order it keeps the first smallest:
