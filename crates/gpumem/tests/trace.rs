@@ -664,17 +664,21 @@ fn the_unet_makes_its_driver_calls_in_its_first_steps_only() {
 /// The real traces of fixed-shape jobs, once their plans have served a cycle: the pages of
 /// the region that no slot uses (fragmentation left by the dynamic layout of the first
 /// steps, the plan's peak being the job's) go back, and what the job holds from then on is
-/// within 0.3% of what is live, where the whole run's peak stays where the first steps put
-/// it (ViT 1.0248, gptfix 1.0115: it was that from the plan's first step on before, 1.0224
-/// and 1.0063, and the same with the GPU 3000 calls behind, whose checkpoints complete too
-/// late for the handles to be split now). Measured over the last 30% of each trace (its last
-/// three steps of ten), the GPU in step with the host and 300 calls behind.
+/// within 0.3% of what is live (the UNet's 0.8%), where the whole run's peak stays where the
+/// first steps put it (ViT 1.0248, gptfix 1.0115: it was that from the plan's first step on
+/// before, 1.0224 and 1.0063, and the same with the GPU 3000 calls behind, whose checkpoints
+/// complete too late for the handles to be split now). Measured over the last 30% of each
+/// trace (its last three steps of ten), the GPU in step with the host and 300 calls behind.
 #[test]
 fn a_planned_job_holds_what_its_plan_needs() {
     for (name, bound) in [
         ("torch_vit_train.jsonl.gz", 1.003),
         ("torch_gptfix_train.jsonl.gz", 1.001),
         ("torch_gptenc_train.jsonl.gz", 1.002),
+        // a handle of its region had a slot taken before each try's checkpoint completed,
+        // at the same point of every cycle, with the GPU 300 calls behind (1.0148); a try
+        // now comes again where that handle's slots are idle longest (`plan_retry_when_idle`)
+        ("torch_unet_train.jsonl.gz", 1.009),
     ] {
         for lag in [None, Some(300)] {
             let (settled, run) = settled_ratio(name, lag);
