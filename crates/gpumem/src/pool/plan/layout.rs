@@ -54,7 +54,10 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 /// and the dynamic layout then grew to 1.158 of live; held, the plan is taken, 1.0186). Made
 /// at every start, it lost elsewhere (gpt_train 1.0223 -> 1.0312, gptfix 1.0115 -> 1.0122:
 /// its slots' first period moved more) and doubled the placement's work, so it is made only
-/// for a plan that would otherwise be declined.
+/// for a plan that would otherwise be declined. So is a third, upside down
+/// ([`place_reflected`]: a block live across the start high in the segment bends a placement
+/// from the bottom up; gptfix's step-4 start 10,034 MiB, upside down 9,536), made at the limit
+/// and then as tight as that layout allows; the smallest of all is kept.
 pub(super) fn place_at_start(
     lives: &[Life],
     period: u32,
