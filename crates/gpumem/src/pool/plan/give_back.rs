@@ -134,23 +134,8 @@ impl CachingPool {
             return;
         };
         let period = p.pos.len() as u32;
-        let mut held = vec![0i32; period as usize + 1];
-        for &k in slots {
-            for (a, b) in p.layout.lives[k as usize].spans(period) {
-                if a < b {
-                    held[a as usize] += 1;
-                    held[b as usize] -= 1;
-                }
-            }
-        }
-        let mut now = 0;
-        let busy: Vec<bool> = held[..period as usize]
-            .iter()
-            .map(|d| {
-                now += d;
-                now > 0
-            })
-            .collect();
+        let lives = slots.iter().map(|&k| &p.layout.lives[k as usize]);
+        let busy: Vec<bool> = held_bytes(lives, period).iter().map(|&b| b > 0).collect();
         // the longest run of positions where none is held, around the period's end too
         let (mut best, mut run) = (None, 0u32);
         for x in 0..2 * period {
