@@ -141,6 +141,83 @@ impl CachingPool {
         result
     }
 
+    /// Plan `i` has taken its home segment at a start: the pages its slots use there that the
+    /// dynamic layout left unmapped (holes where its pages moved, or above what it mapped)
+    /// are mapped now, ahead, on the resource's thread (the slots wait for them:
+    /// `plan_ahead_ready`), rather than one by one on the allocating thread as the period's
+    /// blocks come (`plan_map`). As `plan_map` would: where that passes the high-water mark,
+    /// the region's pages that no slot uses move there (within the time budget, or where
+    /// growing would pass the memory budget); what still would pass it is left to `plan_map`.
+    /// Not where hooks hear of mapped pages (they may act on them at once).
+    pub(super) fn plan_map_ahead(&mut self, i: usize) {
+        const GRID: u64 = 32;
+        if self.shared.heard() {
+            return;
+        }
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        let (seg, stream) = (self.plans.plans[i].seg, self.plans.plans[i].layout.stream);
+        let Some(pages) = self.segments[seg as usize].pages.as_deref() else {
+            return;
+        };
+        let p = &self.plans.plans[i];
+        let end = (self.segments[seg as usize].size / page).min(p.layout.region.div_ceil(page));
+        // the pages under the slots, in the grid `plan_map` maps in
+        let mut want: Vec<(u64, u64)> = p
+            .layout
+            .slots
+            .iter()
+            .map(|&(off, size)| {
+                let (lo, hi) = page_span(off, size, page);
+                (lo / GRID * GRID, hi.div_ceil(GRID) * GRID)
+            })
+            .collect();
+        want.sort_unstable();
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut reach = 0;
+        for (lo, hi) in want {
+            let (lo, hi) = (lo.max(reach), hi.min(end));
+            if lo < hi {
+                for (f, n) in pages.runs(lo, hi, false) {
+                    match runs.last_mut() {
+                        Some(r) if r.0 + r.1 == f => r.1 += n,
+                        _ => runs.push((f, n)),
+                    }
+                }
+                reach = hi;
+            }
+        }
+        if runs.is_empty() {
+            return;
+        }
+        let need: u64 = runs.iter().map(|r| r.1).sum::<u64>() * page;
+        let Ok(started) = self.vmm().map(|v| v.now_ns()) else {
+            return;
+        };
+        let high_water = self.high_water;
+        let over = (self.stats.reserved() + need).saturating_sub(high_water);
+        let peak = self.peak_allocated.max(self.stats.allocated());
+        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
+        if pressure || budgeted {
+            self.plan_trim(i, over);
+        }
+        if self.stats.reserved() + need > high_water {
+            // (what would pass the mark: mapped as the blocks come, with moves then)
+            let _ = self.account_page_work(started, budgeted, pressure, high_water);
+            return;
+        }
+        let base = self.segments[seg as usize].addr;
+        for (first, n) in runs {
+            let r = self
+                .vmm()
+                .and_then(|v| v.map_ahead(base + first * page, n * page, stream));
+            if r.is_ok() {
+                self.note_mapped(seg, first, n, true);
+                self.plans.plans[i].ahead.push((first, n));
+            }
+        }
+        let _ = self.account_page_work(started, budgeted, pressure, high_water);
+    }
+
     /// Take `[off, off + size)` of plan `i`'s region, if it is free: the free blocks there
     /// (freed blocks stay as they were until a request needs their bytes, so that a slot
     /// whose bytes no other slot shares takes its block back as it was) become one. (Out of
