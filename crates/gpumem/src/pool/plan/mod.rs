@@ -98,9 +98,6 @@ pub(super) struct Home {
     seg: u32,
     addr: u64,
     fixed: Vec<(u64, u64)>,
-    /// the ranges below its highest mapped page that are not mapped, and that page's end
-    unmapped: Vec<(u64, u64)>,
-    top: u64,
 }
 
 /// Whether a plan whose region spans `region` bytes, taking over a segment with `mapped`

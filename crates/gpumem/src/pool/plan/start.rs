@@ -82,22 +82,10 @@ impl CachingPool {
             }
             id = b.next;
         }
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
-        let pages = s.pages.as_ref()?;
-        let count = s.size / page;
-        let mapped = pages.runs(0, count, true);
-        let top = mapped.last().map_or(0, |&(f, n)| (f + n) * page);
-        let unmapped = pages
-            .runs(0, top / page, false)
-            .into_iter()
-            .map(|(f, n)| (f * page, (f + n) * page))
-            .collect();
         Some(Home {
             seg,
             addr: s.addr,
             fixed,
-            unmapped,
-            top,
         })
     }
 
