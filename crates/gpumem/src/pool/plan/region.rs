@@ -197,23 +197,28 @@ impl CachingPool {
         let over = (self.stats.reserved() + need).saturating_sub(high_water);
         let peak = self.peak_allocated.max(self.stats.allocated());
         let (pressure, budgeted) = self.moves_now(over, need, started, peak);
-        if pressure || budgeted {
+        let moved = pressure || budgeted;
+        if moved {
             self.plan_trim(i, over);
         }
-        if self.stats.reserved() + need > high_water {
-            // (what would pass the mark: mapped as the blocks come, with moves then)
-            let _ = self.account_page_work(started, budgeted, pressure, high_water);
-            return;
-        }
-        let base = self.segments[seg as usize].addr;
-        for (first, n) in runs {
-            let r = self
-                .vmm()
-                .and_then(|v| v.map_ahead(base + first * page, n * page, stream));
-            if r.is_ok() {
-                self.note_mapped(seg, first, n, true);
-                self.plans.plans[i].ahead.push((first, n));
+        // (what would still pass the mark is mapped as the blocks come, with moves then)
+        if self.stats.reserved() + need <= high_water {
+            let base = self.segments[seg as usize].addr;
+            for (first, n) in runs {
+                let r = self
+                    .vmm()
+                    .and_then(|v| v.map_ahead(base + first * page, n * page, stream));
+                if r.is_ok() {
+                    self.note_mapped(seg, first, n, true);
+                    self.plans.plans[i].ahead.push((first, n));
+                }
             }
+        }
+        if moved {
+            // the move is over, as in `plan_map`: what the trim unmapped and no map took is
+            // spare, and the stream's next move records an event of its own rather than share
+            // this one's, recorded before the work queued since
+            let _ = self.vmm().map(|v| v.finish_move(stream));
         }
         let _ = self.account_page_work(started, budgeted, pressure, high_water);
     }
