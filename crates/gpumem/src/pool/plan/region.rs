@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// A planned region's pages are mapped in runs aligned to this many pages (`plan_map`,
+/// `plan_map_ahead`): whole handles of the page map's grid.
+const GRID: u64 = 32;
+
 impl CachingPool {
     /// Unmap up to `want` bytes of the pages of plan `i`'s region that are free and that none
     /// of its blocks uses (the dynamic layout left them mapped where the plan puts nothing),
@@ -84,7 +88,6 @@ impl CachingPool {
     /// whose shape keeps changing takes plans up again and again, so this is not once per
     /// plan.
     pub(super) fn plan_map(&mut self, i: usize, id: u32) -> Result<()> {
-        const GRID: u64 = 32;
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let (seg, stream, lo, hi) = {
             let b = &self.blocks[id as usize];
@@ -150,7 +153,6 @@ impl CachingPool {
     /// growing would pass the memory budget); what still would pass it is left to `plan_map`.
     /// Not where hooks hear of mapped pages (they may act on them at once).
     pub(super) fn plan_map_ahead(&mut self, i: usize) {
-        const GRID: u64 = 32;
         if self.shared.heard() {
             return;
         }
