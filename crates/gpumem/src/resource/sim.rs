@@ -140,8 +140,9 @@ struct SimState {
     /// the earliest tick at which one of `moves` is due
     moves_due: u64,
     next_move_event: usize,
-    /// the event of the move in progress, shared by its unmaps (as the CUDA engine does)
-    move_event: Option<(u64, usize)>,
+    /// the event of the move in progress, shared by its unmaps (as the CUDA engine does), and
+    /// the GPU's tick when it was recorded
+    move_event: Option<(u64, usize, u64)>,
     /// the host's time outside the allocator's driver calls, ns ([`SimulatedDevice::set_time_us`])
     time_ns: u64,
     /// what its driver calls cost on the clock ([`SimulatedDevice::set_cost`])
@@ -493,7 +494,16 @@ impl VirtualMemory for SimulatedDevice {
         check_pages(&s, addr, bytes, true)?;
         // a move in stream order records an event; it completes when the lagging GPU passes
         let shared = match s.move_event {
-            Some((st, ev)) if busy && st == stream.0 && s.moves.contains_key(&ev) => Some(ev),
+            Some((st, ev, at)) if busy && st == stream.0 && s.moves.contains_key(&ev) => {
+                // one move's unmaps share its event; a later move that shared it would count
+                // its pages idle once the GPU passes the old event, before the work queued
+                // since (the pool ends each move with `finish_move`)
+                debug_assert_eq!(
+                    at, s.clock,
+                    "a move shared the event of an earlier one (a move not finished)"
+                );
+                Some(ev)
+            }
             _ => None,
         };
         let event = match (s.lag, busy) {
@@ -516,7 +526,7 @@ impl VirtualMemory for SimulatedDevice {
         };
         let (n, excess) = s.pages.detach(addr, bytes, Some(stream.0), event)?;
         if let (Some(ev), true) = (event, n > 0) {
-            s.move_event = Some((stream.0, ev));
+            s.move_event = Some((stream.0, ev, s.clock));
         }
         s.release(excess);
         s.pages.take_idle_events();

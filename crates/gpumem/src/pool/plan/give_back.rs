@@ -49,7 +49,12 @@ impl CachingPool {
         let before = self.stats.reserved();
         // (a handle that holds no slot's page: none is left after the first try that had
         // budget)
-        self.plan_trim(i, u64::MAX);
+        if self.plan_trim(i, u64::MAX) > 0 {
+            // the move is over (as in `plan_map`): the stream's next move records an event of
+            // its own rather than share this one's, recorded before the work queued since
+            // (its pages would count as idle while the GPU may still use them)
+            let _ = self.vmm().map(|v| v.finish_move(stream));
+        }
         let units = self.plan_split_candidates(i);
         let g = &mut self.plans.plans[i].give_back;
         g.tries -= 1;
