@@ -391,3 +391,29 @@ fn a_long_period_of_short_lives_is_planned_and_makes_no_driver_call() {
         a.deallocate(h).unwrap();
     }
 }
+
+/// A plan that `plan_resync` cannot find in step when its layout is taken (the window of the
+/// job's last events recurs in the period: a run of frees of one size, as where a training
+/// step ends) follows the job from the position its layout's own events give, where the
+/// detector has confirmed no other period since. On an H200 gptfix's layout, made on a
+/// thread, was taken among the frees that end its step 3: its plan served from step 5, with
+/// 16 page calls in step 4, and follows from its layout's events serves from step 4 (stop
+/// 81). On the simulated device the layout is made inline; fixed_shape seed 2 (four times
+/// the usual steps) is a draw whose resync fails there: its driver calls ended at 0.18, 0.23
+/// and 0.18 of its events with the GPU in step, 300 and 3,000 calls behind, now at 0.14,
+/// 0.19 and 0.14.
+#[test]
+fn a_plan_not_found_in_step_follows_the_job_from_its_layouts_events() {
+    let events = Kind::FixedShape.generate(2, 4);
+    for (lag, most) in [(None, 16), (Some(300), 21), (Some(3000), 16)] {
+        let r = replay_simulated("p", &events, &Config::default(), SIM_CAPACITY, lag).unwrap();
+        let n = r.calls.len();
+        let last = r.calls[n - 1];
+        let quiet = r.calls.iter().position(|&c| c == last).unwrap();
+        println!("lag {lag:?}: the last driver call at event {quiet} of {n}");
+        assert!(
+            quiet * 100 < n * most,
+            "lag {lag:?}: calls until event {quiet} of {n}"
+        );
+    }
+}

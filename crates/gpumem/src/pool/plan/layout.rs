@@ -696,6 +696,9 @@ pub(in crate::pool) struct Layout {
     /// the detector's event from which the job's events were the layout's: where the events
     /// it was made from begin (see `plan_around`)
     pub(super) seen: u64,
+    /// the detector's event at the plan's position 0 among those (the job's event `e` is at
+    /// position `(e - origin) % prints.len()` while it repeats)
+    pub(super) origin: u64,
     /// the segment the plan takes over (index and address), if any
     pub(super) home: Option<(u32, u64)>,
     pub(super) stream: Stream,
@@ -781,6 +784,7 @@ pub(super) fn layout(
         home: home.map(|h| (h.seg, h.addr)),
         half,
         seen,
+        origin: seen + u64::from(start),
         stream,
     })
 }

@@ -399,6 +399,8 @@ pub(super) struct Plans {
     /// the plan in step with the job
     current: Option<usize>,
     planning: Option<Planning>,
+    /// the detector's confirmations when that layout was asked for
+    planning_found: u64,
     /// detector confirmations already acted on
     seen: u64,
     /// events before which `note_quiet` needs to look no further than the block: the current

@@ -159,12 +159,25 @@ impl CachingPool {
     #[inline]
     pub(in crate::pool) fn plan_free_event(&mut self, size: u64, stream: Stream) {
         if let Some(i) = self.plans.current {
-            if self.plans.plans[i]
-                .step(repeat::print(true, size, stream.0))
-                .is_none()
-            {
-                self.plan_out_of_step(i);
+            match self.plans.plans[i].step(repeat::print(true, size, stream.0)) {
+                None => self.plan_out_of_step(i),
+                Some(pos) if self.plans.plans[i].seg == NIL => self.plan_free_before_start(i, pos),
+                Some(_) => {}
             }
+        }
+    }
+
+    /// A free at position `pos` of plan `i`, which follows the job and waits for its start:
+    /// its placement is made ahead from here as from an allocation (`plan_alloc_slow`). A
+    /// training step's start comes after the frees that end the step before, and a plan that
+    /// begins to follow the job among them (its layout taken at a free, `note_large_event`)
+    /// sees no allocation before its start.
+    #[cold]
+    #[inline(never)]
+    fn plan_free_before_start(&mut self, i: usize, pos: u32) {
+        let p = &self.plans.plans[i];
+        if pos != 0 && pos > p.last_wrap && p.place_ahead.is_none() {
+            self.plan_place_ahead(i, pos);
         }
     }
 
@@ -249,6 +262,12 @@ impl CachingPool {
         } else {
             let n = self.plans.repeats.note(NONE, size, stream, live, idle);
             self.plans.born[idx] = n;
+        }
+        if free && self.plans.planning.is_some() {
+            // (a layout is also taken at a free: a job's frees that end a step come just
+            // before the plan's start, where an allocation that looked would be too late:
+            // the plan finds the job in step only from the event after it, a step later)
+            self.plan_poll();
         }
         if self.plans.current.is_none() && !self.plans.plans.is_empty() {
             self.plan_resync();

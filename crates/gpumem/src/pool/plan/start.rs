@@ -31,6 +31,7 @@ impl CachingPool {
         let events = self.plans.repeats.last(2 * period).unwrap_or(events);
         let first = self.plans.repeats.events() - events.len() as u64;
         let home = self.plan_home(stream, first);
+        self.plans.planning_found = self.plans.repeats.found;
         if matches!(
             self.backend.location(),
             crate::resource::Location::Simulated
@@ -135,10 +136,40 @@ impl CachingPool {
         self.plans.current = None;
         self.plan_quiet_close();
         self.plan_resync();
+        if self.plans.current.is_none() {
+            self.plan_follow_from_origin();
+        }
         // a plan that holds its region only while it is in step with the job
         if let Some(b) = before.filter(|&b| self.plans.current != Some(b)) {
             self.plan_leave(b);
         }
+    }
+
+    /// The plan just made, which `plan_resync` did not find in step (the last events' window
+    /// occurs more than once in its period: a run of frees of the same size, as where a
+    /// training step ends), where the job has repeated without a break since its layout's
+    /// events (the detector's period is the plan's, and confirmed no time since): it follows
+    /// the job from the position its events give. gptfix on an H200 (stop 80): its layout
+    /// was taken among the 149 frees before its start, and found in step only from the event
+    /// after that start, a step later.
+    fn plan_follow_from_origin(&mut self) {
+        let Some(i) = self.plans.plans.len().checked_sub(1) else {
+            return;
+        };
+        let n = self.plans.repeats.events();
+        let p = &mut self.plans.plans[i];
+        let len = p.pos.len() as u64;
+        if self.plans.repeats.found != self.plans.planning_found
+            || self.plans.repeats.period() != u64::from(p.layout.half)
+            || n < p.layout.origin
+            || len == 0
+        {
+            return;
+        }
+        let c = ((n - p.layout.origin) % len) as u32;
+        p.cursor = Some(p.soonest_copy(c));
+        self.plans.current = Some(i);
+        self.plan_quiet_close();
     }
 
     /// Take plan `i`'s region (at the start of its period, where it holds the fewest bytes):
