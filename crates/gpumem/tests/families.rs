@@ -397,7 +397,7 @@ fn a_long_period_of_short_lives_is_planned_and_makes_no_driver_call() {
 /// step ends) follows the job from the position its layout's own events give, where the
 /// detector has confirmed no other period since. On an H200 gptfix's layout, made on a
 /// thread, was taken among the frees that end its step 3: its plan served from step 5, with
-/// 16 page calls in step 4, and follows from its layout's events serves from step 4 (stop
+/// 16 page calls in step 4; following from its layout's events, it serves from step 4 (stop
 /// 81). On the simulated device the layout is made inline; fixed_shape seed 2 (four times
 /// the usual steps) is a draw whose resync fails there: its driver calls ended at 0.18, 0.23
 /// and 0.18 of its events with the GPU in step, 300 and 3,000 calls behind, now at 0.14,
