@@ -6,6 +6,11 @@ use super::*;
 /// `plan_map_ahead`): whole handles of the page map's grid.
 const GRID: u64 = 32;
 
+/// Pages `[lo, hi)` widened to whole runs of [`GRID`] pages.
+fn on_grid(lo: u64, hi: u64) -> (u64, u64) {
+    (lo / GRID * GRID, hi.div_ceil(GRID) * GRID)
+}
+
 impl CachingPool {
     /// Unmap up to `want` bytes of the pages of plan `i`'s region that are free and that none
     /// of its blocks uses (the dynamic layout left them mapped where the plan puts nothing),
@@ -105,7 +110,7 @@ impl CachingPool {
             }
             // (within the pages the plan uses: its layout's extent)
             let extent = self.plans.plans[i].layout.region / page;
-            let (glo, ghi) = (lo / GRID * GRID, hi.div_ceil(GRID) * GRID);
+            let (glo, ghi) = on_grid(lo, hi);
             let end = (self.segments[seg as usize].size / page).min(extent.max(hi));
             pages.runs(glo, ghi.min(end), false)
         };
@@ -170,7 +175,7 @@ impl CachingPool {
             .iter()
             .map(|&(off, size)| {
                 let (lo, hi) = page_span(off, size, page);
-                (lo / GRID * GRID, hi.div_ceil(GRID) * GRID)
+                on_grid(lo, hi)
             })
             .collect();
         want.sort_unstable();

@@ -94,10 +94,7 @@ impl CachingPool {
         self.plans.plans[i].used = self.tick;
         if self.plans.plans[i].seg == NIL {
             if pos != 0 {
-                if pos > self.plans.plans[i].last_wrap && self.plans.plans[i].place_ahead.is_none()
-                {
-                    self.plan_place_ahead(i, pos);
-                }
+                self.plan_before_start(i, pos);
                 return None;
             }
             if self.plan_activate(i).is_err() {
@@ -161,20 +158,21 @@ impl CachingPool {
         if let Some(i) = self.plans.current {
             match self.plans.plans[i].step(repeat::print(true, size, stream.0)) {
                 None => self.plan_out_of_step(i),
-                Some(pos) if self.plans.plans[i].seg == NIL => self.plan_free_before_start(i, pos),
+                Some(pos) if self.plans.plans[i].seg == NIL => self.plan_before_start(i, pos),
                 Some(_) => {}
             }
         }
     }
 
-    /// A free at position `pos` of plan `i`, which follows the job and waits for its start:
-    /// its placement is made ahead from here as from an allocation (`plan_alloc_slow`). A
+    /// An event at position `pos` (not the start) of plan `i`, which follows the job and waits
+    /// for its start: past the period's last block that lives into the next one, the
+    /// placement for the start is made ahead, once. From frees as well as allocations: a
     /// training step's start comes after the frees that end the step before, and a plan that
     /// begins to follow the job among them (its layout taken at a free, `note_large_event`)
     /// sees no allocation before its start.
     #[cold]
     #[inline(never)]
-    fn plan_free_before_start(&mut self, i: usize, pos: u32) {
+    fn plan_before_start(&mut self, i: usize, pos: u32) {
         let p = &self.plans.plans[i];
         if pos != 0 && pos > p.last_wrap && p.place_ahead.is_none() {
             self.plan_place_ahead(i, pos);
@@ -465,13 +463,23 @@ impl CachingPool {
             return;
         }
         let h = self.plans.repeats.hash();
-        for (i, p) in self.plans.plans.iter_mut().enumerate() {
-            if let Some(&next) = p.windows.get(&h) {
-                p.cursor = Some(p.soonest_copy(next));
-                self.plans.current = Some(i);
-                self.plan_quiet_close();
-                return;
-            }
+        let found = self
+            .plans
+            .plans
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| Some((i, *p.windows.get(&h)?)));
+        if let Some((i, next)) = found {
+            self.plan_follow(i, next);
         }
+    }
+
+    /// Plan `i` follows the job, whose next event is at position `next` of its period (the
+    /// soonest copy of it in a plan of two periods).
+    pub(super) fn plan_follow(&mut self, i: usize, next: u32) {
+        let p = &mut self.plans.plans[i];
+        p.cursor = Some(p.soonest_copy(next));
+        self.plans.current = Some(i);
+        self.plan_quiet_close();
     }
 }

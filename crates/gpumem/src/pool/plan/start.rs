@@ -157,7 +157,7 @@ impl CachingPool {
             return;
         };
         let n = self.plans.repeats.events();
-        let p = &mut self.plans.plans[i];
+        let p = &self.plans.plans[i];
         let len = p.pos.len() as u64;
         if self.plans.repeats.found != self.plans.planning_found
             || self.plans.repeats.period() != u64::from(p.layout.half)
@@ -166,10 +166,8 @@ impl CachingPool {
         {
             return;
         }
-        let c = ((n - p.layout.origin) % len) as u32;
-        p.cursor = Some(p.soonest_copy(c));
-        self.plans.current = Some(i);
-        self.plan_quiet_close();
+        let next = ((n - p.layout.origin) % len) as u32;
+        self.plan_follow(i, next);
     }
 
     /// Take plan `i`'s region (at the start of its period, where it holds the fewest bytes):
