@@ -278,61 +278,55 @@ impl CachingPool {
         let over = reserved
             .saturating_add(need)
             .saturating_sub(self.allowance(peak));
-        let started = self.vmm()?.now_ns();
-        let high_water = self.high_water;
-        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
-        let mut moved = false;
-        if pressure || budgeted {
-            moved = true;
-            // no waiting here: pages not yet known idle stay, new ones are mapped
-            self.reclaim_pages(Some(stream), over, false);
-        }
-        let mut result = Ok(need);
-        for (first, n) in runs {
-            let (a, bytes) = (base + first * page, n * page);
-            // memory this stream's moved pages left is taken first
-            let mut r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
-            if matches!(&r, Err(e) if e.is_out_of_memory()) {
-                // the device is short of memory: move free pages here, whatever the time
-                // budget, before releasing the cache (which waits for the GPU)
-                moved = true;
-                if self.reclaim_pages(Some(stream), bytes, false) > 0 {
-                    self.stats.num_pressure_moves += 1;
-                    r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
+        self.page_work(stream, over, need, peak, |pool, moving| {
+            if moving {
+                // no waiting here: pages not yet known idle stay, new ones are mapped
+                pool.reclaim_pages(Some(stream), over, false);
+            }
+            let mut besides = false;
+            let mut result = Ok(need);
+            for (first, n) in runs {
+                let (a, bytes) = (base + first * page, n * page);
+                // memory this stream's moved pages left is taken first
+                let mut r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                if matches!(&r, Err(e) if e.is_out_of_memory()) {
+                    // the device is short of memory: move free pages here, whatever the time
+                    // budget, before releasing the cache (which waits for the GPU)
+                    besides = true;
+                    if pool.reclaim_pages(Some(stream), bytes, false) > 0 {
+                        pool.stats.num_pressure_moves += 1;
+                        r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                    }
+                }
+                if matches!(&r, Err(e) if e.is_out_of_memory()) {
+                    pool.stats.num_alloc_retries += 1;
+                    pool.release_cached();
+                    r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                    if matches!(&r, Err(e) if e.is_out_of_memory()) && !pool.pending.is_empty() {
+                        pool.sync_pending();
+                        pool.release_cached();
+                        r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                    }
+                }
+                match r {
+                    Ok(()) => pool.note_mapped(seg, first, n, true),
+                    Err(e) => {
+                        result = Err(if e.is_out_of_memory() {
+                            // the handles the failed map made go back to the device first,
+                            // so that the report (and whoever allocates next) sees its memory
+                            if let Ok(v) = pool.vmm() {
+                                v.trim();
+                            }
+                            pool.oom_error(size, need)
+                        } else {
+                            e
+                        });
+                        break;
+                    }
                 }
             }
-            if matches!(&r, Err(e) if e.is_out_of_memory()) {
-                self.stats.num_alloc_retries += 1;
-                self.release_cached();
-                r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
-                if matches!(&r, Err(e) if e.is_out_of_memory()) && !self.pending.is_empty() {
-                    self.sync_pending();
-                    self.release_cached();
-                    r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
-                }
-            }
-            match r {
-                Ok(()) => self.note_mapped(seg, first, n, true),
-                Err(e) => {
-                    result = Err(if e.is_out_of_memory() {
-                        // the handles the failed map made go back to the device first, so
-                        // that the report (and whoever allocates next) sees its memory
-                        if let Ok(v) = self.vmm() {
-                            v.trim();
-                        }
-                        self.oom_error(size, need)
-                    } else {
-                        e
-                    });
-                    break;
-                }
-            }
-        }
-        if moved {
-            let _ = self.vmm().map(|v| v.finish_move(stream));
-        }
-        self.account_page_work(started, budgeted, moved, high_water)?;
-        result
+            (result, besides)
+        })?
     }
 
     /// Whether a map of `need` bytes, `over` of them past what may be mapped without moving
@@ -353,17 +347,33 @@ impl CachingPool {
         (pressure, budgeted)
     }
 
-    /// Account page work that began at `started` (the backend's clock) and ends now: moves
-    /// paid from the time budget (`budgeted`) are charged to it; a map that moved nothing
-    /// is growth, which fills growth's account where it raised the high-water mark (it was
-    /// `high_water` before); what fitting under the memory budget costs is not charged.
-    pub(super) fn account_page_work(
+    /// The frame of page work for a map of `need` bytes on `stream`, `over` of them past what
+    /// may be mapped without moving pages (`peak`: the peak of allocated bytes). Whether free
+    /// pages move first is [`CachingPool::moves_now`]'s call; `work` makes the move where it
+    /// is told to (`true`), then the maps, and says whether it moved pages besides (a map
+    /// short of memory). A move is then finished, whatever `work` returned: what it unmapped
+    /// and no map took is spare, and the stream's next move records an event of its own
+    /// rather than share this one's, recorded before the work queued since (the simulated
+    /// device asserts it). Last, the work is accounted: moves paid from the time budget are
+    /// charged to it; a map that moved nothing is growth, which fills growth's account where
+    /// it raised the high-water mark; what fitting under the memory budget costs is not
+    /// charged.
+    pub(super) fn page_work<T>(
         &mut self,
-        started: u64,
-        budgeted: bool,
-        moved: bool,
-        high_water: u64,
-    ) -> Result<()> {
+        stream: Stream,
+        over: u64,
+        need: u64,
+        peak: u64,
+        work: impl FnOnce(&mut Self, bool) -> (T, bool),
+    ) -> Result<T> {
+        let started = self.vmm()?.now_ns();
+        let high_water = self.high_water;
+        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
+        let (out, besides) = work(self, pressure || budgeted);
+        let moved = pressure || budgeted || besides;
+        if moved {
+            let _ = self.vmm().map(|v| v.finish_move(stream));
+        }
         let took = self.vmm()?.now_ns().saturating_sub(started);
         self.stats.page_map_ns += took;
         self.budget.note_work(started + took, took, budgeted);
@@ -373,7 +383,7 @@ impl CachingPool {
             let new_high = self.high_water > high_water;
             self.budget.note_growth(started + took, took, new_high);
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Whether mapping `need` more bytes would pass the memory budget (`memory_fraction`,

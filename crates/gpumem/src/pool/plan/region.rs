@@ -115,38 +115,37 @@ impl CachingPool {
             pages.runs(glo, ghi.min(end), false)
         };
         let need: u64 = runs.iter().map(|r| r.1).sum::<u64>() * page;
-        let started = self.vmm()?.now_ns();
-        let high_water = self.high_water;
-        let over = (self.stats.reserved() + need).saturating_sub(high_water);
+        let over = (self.stats.reserved() + need).saturating_sub(self.high_water);
         // past the high-water mark, pages move here (the region's own unused ones first) as
         // in the dynamic pool; otherwise the region grows
         let peak = self.peak_allocated.max(self.stats.allocated());
-        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
-        if pressure || budgeted {
-            let got = self.plan_trim(i, over);
-            self.reclaim_pages(Some(stream), over.saturating_sub(got), false);
-        }
         let base = self.segments[seg as usize].addr;
-        let mut result = Ok(());
-        for (first, n) in runs {
-            let (a, bytes) = (base + first * page, n * page);
-            let mut r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
-            if matches!(&r, Err(e) if e.is_out_of_memory())
-                && self.reclaim_pages(Some(stream), bytes, false) > 0
-            {
-                r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
+        self.page_work(stream, over, need, peak, |pool, moving| {
+            if moving {
+                let got = pool.plan_trim(i, over);
+                pool.reclaim_pages(Some(stream), over.saturating_sub(got), false);
             }
-            match r {
-                Ok(()) => self.note_mapped(seg, first, n, true),
-                Err(e) => {
-                    result = Err(e);
-                    break;
+            let mut besides = false;
+            let mut result = Ok(());
+            for (first, n) in runs {
+                let (a, bytes) = (base + first * page, n * page);
+                let mut r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                if matches!(&r, Err(e) if e.is_out_of_memory()) {
+                    besides = true;
+                    if pool.reclaim_pages(Some(stream), bytes, false) > 0 {
+                        r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
+                    }
+                }
+                match r {
+                    Ok(()) => pool.note_mapped(seg, first, n, true),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
                 }
             }
-        }
-        let _ = self.vmm().map(|v| v.finish_move(stream));
-        self.account_page_work(started, budgeted, pressure, high_water)?;
-        result
+            (result, besides)
+        })?
     }
 
     /// Plan `i` has taken its home segment at a start: the pages its slots use there that the
@@ -197,37 +196,28 @@ impl CachingPool {
             return;
         }
         let need: u64 = runs.iter().map(|r| r.1).sum::<u64>() * page;
-        let Ok(started) = self.vmm().map(|v| v.now_ns()) else {
-            return;
-        };
-        let high_water = self.high_water;
-        let over = (self.stats.reserved() + need).saturating_sub(high_water);
+        let over = (self.stats.reserved() + need).saturating_sub(self.high_water);
         let peak = self.peak_allocated.max(self.stats.allocated());
-        let (pressure, budgeted) = self.moves_now(over, need, started, peak);
-        let moved = pressure || budgeted;
-        if moved {
-            self.plan_trim(i, over);
-        }
-        // (what would still pass the mark is mapped as the blocks come, with moves then)
-        if self.stats.reserved() + need <= high_water {
-            let base = self.segments[seg as usize].addr;
-            for (first, n) in runs {
-                let r = self
-                    .vmm()
-                    .and_then(|v| v.map_ahead(base + first * page, n * page, stream));
-                if r.is_ok() {
-                    self.note_mapped(seg, first, n, true);
-                    self.plans.plans[i].ahead.push((first, n));
+        let base = self.segments[seg as usize].addr;
+        let _ = self.page_work(stream, over, need, peak, |pool, moving| {
+            if moving {
+                pool.plan_trim(i, over);
+            }
+            // (what would still pass the mark is mapped as the blocks come, with moves then;
+            // trimming unmaps, so the mark is as it was)
+            if pool.stats.reserved() + need <= pool.high_water {
+                for (first, n) in runs {
+                    let r = pool
+                        .vmm()
+                        .and_then(|v| v.map_ahead(base + first * page, n * page, stream));
+                    if r.is_ok() {
+                        pool.note_mapped(seg, first, n, true);
+                        pool.plans.plans[i].ahead.push((first, n));
+                    }
                 }
             }
-        }
-        if moved {
-            // the move is over, as in `plan_map`: what the trim unmapped and no map took is
-            // spare, and the stream's next move records an event of its own rather than share
-            // this one's, recorded before the work queued since
-            let _ = self.vmm().map(|v| v.finish_move(stream));
-        }
-        let _ = self.account_page_work(started, budgeted, pressure, high_water);
+            ((), false)
+        });
     }
 
     /// Take `[off, off + size)` of plan `i`'s region, if it is free: the free blocks there
