@@ -287,15 +287,14 @@ impl CachingPool {
             let mut result = Ok(need);
             for (first, n) in runs {
                 let (a, bytes) = (base + first * page, n * page);
-                // memory this stream's moved pages left is taken first
-                let mut r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
-                if matches!(&r, Err(e) if e.is_out_of_memory()) {
-                    // the device is short of memory: move free pages here, whatever the time
-                    // budget, before releasing the cache (which waits for the GPU)
+                // memory this stream's moved pages left is taken first; where the device is
+                // short, free pages move here before the cache is released (which waits for
+                // the GPU)
+                let (mut r, short) = pool.map_or_move(a, bytes, stream);
+                if let Some(got) = short {
                     besides = true;
-                    if pool.reclaim_pages(Some(stream), bytes, false) > 0 {
+                    if got > 0 {
                         pool.stats.num_pressure_moves += 1;
-                        r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
                     }
                 }
                 if matches!(&r, Err(e) if e.is_out_of_memory()) {
@@ -327,6 +326,29 @@ impl CachingPool {
             }
             (result, besides)
         })?
+    }
+
+    /// Map `[a, a + bytes)` for `stream` (`map_on`); where the device is short of memory, free
+    /// pages move here first, whatever the time budget, and the map is tried again. Returns
+    /// the map's result and, where the device was short, the bytes that moved.
+    pub(super) fn map_or_move(
+        &mut self,
+        a: DevPtr,
+        bytes: u64,
+        stream: Stream,
+    ) -> (Result<()>, Option<u64>) {
+        let r = self.vmm().and_then(|v| v.map_on(a, bytes, stream));
+        if !matches!(&r, Err(e) if e.is_out_of_memory()) {
+            return (r, None);
+        }
+        let got = self.reclaim_pages(Some(stream), bytes, false);
+        if got == 0 {
+            return (r, Some(0));
+        }
+        (
+            self.vmm().and_then(|v| v.map_on(a, bytes, stream)),
+            Some(got),
+        )
     }
 
     /// Whether a map of `need` bytes, `over` of them past what may be mapped without moving

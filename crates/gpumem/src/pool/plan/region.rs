@@ -129,13 +129,8 @@ impl CachingPool {
             let mut result = Ok(());
             for (first, n) in runs {
                 let (a, bytes) = (base + first * page, n * page);
-                let mut r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
-                if matches!(&r, Err(e) if e.is_out_of_memory()) {
-                    besides = true;
-                    if pool.reclaim_pages(Some(stream), bytes, false) > 0 {
-                        r = pool.vmm().and_then(|v| v.map_on(a, bytes, stream));
-                    }
-                }
+                let (r, short) = pool.map_or_move(a, bytes, stream);
+                besides |= short.is_some();
                 match r {
                     Ok(()) => pool.note_mapped(seg, first, n, true),
                     Err(e) => {
