@@ -200,9 +200,7 @@ impl CachingPool {
             }
             if self.plan_adopt(i, seg, addr, stream) {
                 self.plan_installs(first);
-                if first {
-                    self.plan_map_ahead(i);
-                }
+                self.plan_map_ahead(i);
                 return Ok(());
             }
             // the segment is gone or changed: the plan has no home (its offsets keep their
