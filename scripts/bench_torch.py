@@ -98,7 +98,7 @@ def setting_env(s):
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
-             "accum", "unet", "lora", "prefill"]
+             "accum", "unet", "lora", "prefill", "phases"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -152,6 +152,28 @@ def run_gpt(torch, steps, varlen, batch=8, tokens=None, cycle=None):
         if tokens is not None:
             tokens.append(batch * seq)
         yield lm_step(torch, m, opt, x)
+
+
+def run_phases(torch, steps, batch=8, lengths=(512, 1024), run=6):
+    """Training in phases (the synthetic `phases` family's shape): runs of `run` steps at one
+    sequence length, the lengths in turn (length buckets, each coming back), and after each
+    run an evaluation pass (forward only, no gradients) at the first length, timed as part of
+    the run's last step."""
+    m = decoder(torch)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(4)
+    for i in range(steps):
+        seq = lengths[(i // run) % len(lengths)]
+        x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
+        loss = lm_step(torch, m, opt, x)
+        if (i + 1) % run == 0:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                for _ in range(2):
+                    e = torch.randint(0, 32000, (batch, lengths[0]), generator=g).cuda()
+                    mask = torch.nn.Transformer.generate_square_subsequent_mask(
+                        lengths[0], device="cuda")
+                    m["head"](m["body"](m["emb"](e), mask=mask, is_causal=True)).float().mean()
+        yield loss
 
 
 def run_gptfix(torch, steps, L=12, D=1024, H=16, V=32000, B=8, T=1024):
@@ -633,6 +655,7 @@ def workload_steps(torch, workload, steps):
         "gptfix": lambda: run_gptfix(torch, steps),
         "vit": lambda: run_vit(torch, steps),
         "varlen": lambda: run_gpt(torch, steps, True),
+        "phases": lambda: run_phases(torch, steps),
         "resnet": lambda: run_resnet(torch, steps),
         "kv": lambda: run_kv(torch, 3),
         "mixed": lambda: run_mixed(torch, steps),
