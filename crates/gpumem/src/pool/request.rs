@@ -299,7 +299,7 @@ impl CachingPool {
             let b = &self.blocks[id as usize];
             let (size, stream) = (b.rounded, b.stream);
             if size > SMALL_SIZE {
-                self.plan_free_event(size, stream);
+                self.plan_free_event(id, size, stream);
             }
         }
         if !self.lent.is_empty() {

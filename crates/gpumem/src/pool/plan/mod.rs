@@ -168,6 +168,10 @@ pub(super) struct Plan {
     layout: Layout,
     /// per position of the layout, what the cursor compares and takes
     pos: Vec<Pos>,
+    /// per position, for a free: how many events before it the plan allocated the block
+    /// (the life that ends there; 0 for an allocation), so that the free of another block is
+    /// told to the detector (`plan_free_event`)
+    held: Vec<u32>,
     /// rolling hash of the [`WINDOW`] prints ending at each position → the position after it
     /// (windows seen at several positions are left out)
     windows: FxHashMap<u64, u32>,
@@ -258,6 +262,10 @@ impl Plan {
             .map(|l| l.start)
             .max()
             .unwrap_or(0);
+        let mut held = vec![0u32; p];
+        for l in &layout.lives {
+            held[l.end as usize] = ((l.end as usize + p - l.start as usize) % p) as u32;
+        }
         // (the layout's prints and slots per position end here: the cursor reads `pos`)
         let pos = std::mem::take(&mut layout.prints)
             .into_iter()
@@ -270,6 +278,7 @@ impl Plan {
         Self {
             layout,
             pos,
+            held,
             windows,
             cursor: None,
             seg: NIL,
