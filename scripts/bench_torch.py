@@ -98,7 +98,7 @@ def setting_env(s):
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
-             "accum", "unet", "lora", "prefill", "phases"]
+             "accum", "unet", "lora", "prefill", "phases", "traineval", "buckets"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -174,6 +174,35 @@ def run_phases(torch, steps, batch=8, lengths=(512, 1024), run=6):
                         lengths[0], device="cuda")
                     m["head"](m["body"](m["emb"](e), mask=mask, is_causal=True)).float().mean()
         yield loss
+
+
+def run_traineval(torch, steps, batch=8, seq=1024, every=4):
+    """Training with an evaluation pass every `every` steps (forward only, no gradients, at
+    twice the batch), at one sequence length: train/eval alternation."""
+    m = decoder(torch)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(5)
+    for i in range(steps):
+        x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
+        loss = lm_step(torch, m, opt, x)
+        if (i + 1) % every == 0:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                e = torch.randint(0, 32000, (2 * batch, seq), generator=g).cuda()
+                mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device="cuda")
+                m["head"](m["body"](m["emb"](e), mask=mask, is_causal=True)).float().mean()
+        yield loss
+
+
+def run_buckets(torch, steps, batch=8, lengths=(256, 512, 768, 1024)):
+    """Training with a bucketing sampler: each step's sequence length drawn from a few
+    buckets, in no order."""
+    m = decoder(torch)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g, pick = torch.Generator().manual_seed(6), torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        seq = lengths[int(torch.randint(0, len(lengths), (1,), generator=pick))]
+        x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
+        yield lm_step(torch, m, opt, x)
 
 
 def run_gptfix(torch, steps, L=12, D=1024, H=16, V=32000, B=8, T=1024):
@@ -656,6 +685,8 @@ def workload_steps(torch, workload, steps):
         "vit": lambda: run_vit(torch, steps),
         "varlen": lambda: run_gpt(torch, steps, True),
         "phases": lambda: run_phases(torch, steps),
+        "traineval": lambda: run_traineval(torch, steps),
+        "buckets": lambda: run_buckets(torch, steps),
         "resnet": lambda: run_resnet(torch, steps),
         "kv": lambda: run_kv(torch, 3),
         "mixed": lambda: run_mixed(torch, steps),
