@@ -431,6 +431,7 @@ fn the_cost_model_keeps_driver_time_within_one_percent_on_every_real_trace() {
         "torch_lora_train.jsonl.gz",
         "torch_prefill.jsonl.gz",
         "torch_phases_train.jsonl.gz",
+        "torch_traineval_train.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         for conf in ["", "expandable_segments:False"] {
@@ -516,6 +517,8 @@ fn after_the_warm_up_no_second_of_page_work_passes_one_percent_on_any_real_trace
         "torch_lora_train.jsonl.gz",
         "torch_prefill.jsonl.gz",
         "torch_phases_train.jsonl.gz",
+        "torch_traineval_train.jsonl.gz",
+        "torch_buckets_train.jsonl.gz",
     ] {
         let events = read_trace(&data(name)).unwrap();
         for lag in [None, Some(300), Some(3000)] {
@@ -664,6 +667,42 @@ fn the_unet_makes_its_driver_calls_in_its_first_steps_only() {
             share <= 0.0149,
             "lag {lag:?}: {:.2}% of wall",
             share * 100.0
+        );
+    }
+}
+
+/// The bucketing job of `scripts/bench_torch.py` (`buckets`: a length drawn per step from
+/// four, in no order; recorded on an H200 with the native allocator in stop 83, 24 steps,
+/// held out from the policy) passes 1% of its wall time over its whole run with the GPU 3000
+/// calls behind: 1.02% (0.76% in step, 0.95% 300 behind). Its page work is the growth and
+/// moves of its first steps, each of the four lengths a new peak when it first comes (16.5
+/// of its 23 ms in the first tenth of its events), then 1 ms in its last tenth. Asserted as
+/// measured, and that four fifths of it falls in the first fifth of the events; issue 31's 1%
+/// over the whole run is missed here.
+#[test]
+fn the_bucketing_job_makes_its_driver_calls_in_its_first_steps() {
+    for (lag, most) in [(None, 0.0077), (Some(300), 0.0096), (Some(3000), 0.0103)] {
+        let r = default_replay(
+            "torch_buckets_train.jsonl.gz",
+            lag,
+            gpumem::trace::CostModel::default(),
+        );
+        let share = r
+            .report
+            .critical_path_share
+            .expect("real traces have times");
+        let n = r.page_ns.len();
+        let (early, all) = (r.page_ns[n / 5], r.page_ns[n - 1]);
+        println!(
+            "lag {lag:?}: {:.2}% of wall; {:.1} of {:.1} ms of page work in the first fifth",
+            share * 100.0,
+            early as f64 / 1e6,
+            all as f64 / 1e6
+        );
+        assert!(share <= most, "lag {lag:?}: {:.2}% of wall", share * 100.0);
+        assert!(
+            early * 5 >= all * 4,
+            "lag {lag:?}: {early} of {all} ns early"
         );
     }
 }
@@ -822,6 +861,14 @@ fn real_traces_with_a_lagging_gpu() {
         // allocating thread's calls 849 / 815 / 809 -> 823 / 786 / 780 (the H200 with gpumem:
         // 1.008, step 20's calls 31 -> 1-2 on the allocating thread).
         ("torch_phases_train.jsonl.gz", 1.009),
+        // Two more jobs new to `bench_torch.py` in stop 83, recorded the same way (24 steps):
+        // traineval (the GPT at 1,024 tokens, an evaluation pass every 4 steps; native 1.307):
+        // 1.0102 / 1.0120 / 1.0120 (the H200 with gpumem: 1.025, expandable segments 1.062).
+        ("torch_traineval_train.jsonl.gz", 1.013),
+        // buckets (a length drawn per step from 256, 512, 768 and 1,024 tokens, in no order;
+        // native 1.062): 1.0251 / 1.0087 / 1.0087 (the H200 with gpumem: 1.025, expandable
+        // segments 1.063).
+        ("torch_buckets_train.jsonl.gz", 1.026),
     ];
     for (name, bound) in cases {
         let events = read_trace(&data(name)).unwrap();
