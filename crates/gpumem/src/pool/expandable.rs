@@ -291,12 +291,7 @@ impl CachingPool {
                 // short, free pages move here before the cache is released (which waits for
                 // the GPU)
                 let (mut r, short) = pool.map_or_move(a, bytes, stream);
-                if let Some(got) = short {
-                    besides = true;
-                    if got > 0 {
-                        pool.stats.num_pressure_moves += 1;
-                    }
-                }
+                besides |= short.is_some();
                 if matches!(&r, Err(e) if e.is_out_of_memory()) {
                     pool.stats.num_alloc_retries += 1;
                     pool.release_cached();
@@ -329,8 +324,9 @@ impl CachingPool {
     }
 
     /// Map `[a, a + bytes)` for `stream` (`map_on`); where the device is short of memory, free
-    /// pages move here first, whatever the time budget, and the map is tried again. Returns
-    /// the map's result and, where the device was short, the bytes that moved.
+    /// pages move here first, whatever the time budget, and the map is tried again (a move
+    /// counted in `num_pressure_moves`, for the dynamic pool's maps and a plan's region's
+    /// alike). Returns the map's result and, where the device was short, the bytes that moved.
     pub(super) fn map_or_move(
         &mut self,
         a: DevPtr,
@@ -345,6 +341,7 @@ impl CachingPool {
         if got == 0 {
             return (r, Some(0));
         }
+        self.stats.num_pressure_moves += 1;
         (
             self.vmm().and_then(|v| v.map_on(a, bytes, stream)),
             Some(got),

@@ -1531,3 +1531,35 @@ fn free_runs_can_pass_over_stretches_too_short_to_move() {
         .free_mapped_runs_of(seg, 2 * MIB, u64::MAX, None, 5)
         .is_empty());
 }
+
+/// A map the device cannot back (another process took its memory since the pool last looked,
+/// a look that still stands) moves free pages there and maps again, whatever the time budget
+/// (`map_or_move`, shared by the dynamic pool's maps and a plan's region's): the allocation
+/// succeeds and the move is counted in `num_pressure_moves`.
+#[test]
+fn a_map_the_device_cannot_back_moves_free_pages_and_is_counted() {
+    let (mut p, dev) = vmm_pool(4 << 30);
+    let x = alloc(&mut p, A, 100 * MIB);
+    let _y = alloc(&mut p, A, 100 * MIB);
+    let z = alloc(&mut p, A, 100 * MIB);
+    free(&mut p, x);
+    // x's pages move to c, which overdraws the budget's small credit: moves stop
+    let _c = alloc(&mut p, A, 150 * MIB);
+    assert_eq!(p.stats().num_move_stops, 1);
+    free(&mut p, z);
+    // past the high-water mark with moves stopped, the pool looks at the device (plenty
+    // free) and grows
+    let _e = alloc(&mut p, A, 120 * MIB);
+    let s = p.stats();
+    assert_eq!((s.num_page_moves, s.num_pressure_moves), (1, 0), "{s:?}");
+    // another process takes all but 60 MiB of the device; the pool's look still stands, so
+    // it grows again, the map fails, and z's free pages move there
+    let used = dev.capacity() - dev.mem_info_free();
+    dev.set_external_usage(dev.capacity() - used - 60 * MIB);
+    let d = p.allocate(A, (150 * MIB) as usize, 256);
+    let s = p.stats();
+    assert!(d.is_ok(), "{d:?} {s:?}");
+    assert_eq!(s.num_pressure_moves, 1, "{s:?}");
+    assert_eq!(s.num_ooms, 0);
+    p.check_invariants().unwrap();
+}
