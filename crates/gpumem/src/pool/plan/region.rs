@@ -148,10 +148,11 @@ impl CachingPool {
     /// pages its slots use there that the dynamic layout left unmapped (holes where its pages
     /// moved, or above what it mapped) are mapped now, ahead, on the resource's thread (the
     /// slots wait for them: `plan_ahead_ready`), rather than one by one on the allocating
-    /// thread as the period's blocks come (`plan_map`). As `plan_map` would: where that passes the high-water mark,
-    /// the region's pages that no slot uses move there (within the time budget, or where
-    /// growing would pass the memory budget); what still would pass it is left to `plan_map`.
-    /// Not where hooks hear of mapped pages (they may act on them at once).
+    /// thread as the period's blocks come (`plan_map`). As `plan_map` would: where that
+    /// passes the high-water mark, the region's pages that no slot uses move there (within
+    /// the time budget, or where growing would pass the memory budget); what still would pass
+    /// it is left to `plan_map`. Not where hooks hear of mapped pages (they may act on them
+    /// at once).
     pub(super) fn plan_map_ahead(&mut self, i: usize) {
         if self.shared.heard() {
             return;
