@@ -427,13 +427,6 @@ impl CachingPool {
         if len == 0 || from < p.since || p.seg == NIL {
             return None;
         }
-        let ends: FxHashMap<u32, usize> = p
-            .layout
-            .lives
-            .iter()
-            .enumerate()
-            .map(|(s, l)| (l.end, s))
-            .collect();
         let stream = p.layout.stream.0;
         let m = (n - from).min(repeat::RECENT);
         let mut live = live;
@@ -444,9 +437,14 @@ impl CachingPool {
             let (free, size, born) = if at.slot != NO_SLOT {
                 (false, p.layout.slots[at.slot as usize].1, NONE)
             } else {
-                let l = &p.layout.lives[*ends.get(&q)?];
-                let held = (u64::from(q) + len - u64::from(l.start)) % len;
-                (true, l.size, k.checked_sub(held)?)
+                // the life that ends here began `held` positions before (`Plan::held`), where
+                // its allocation takes its slot (none: a free the plan does not place)
+                let held = u64::from(p.held[q as usize]);
+                let slot = p.pos[((u64::from(q) + len - held) % len) as usize].slot;
+                if slot == NO_SLOT {
+                    return None;
+                }
+                (true, p.layout.slots[slot as usize].1, k.checked_sub(held)?)
             };
             let print = repeat::print(free, size, stream);
             if print as u32 != at.print {
