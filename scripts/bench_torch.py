@@ -119,23 +119,11 @@ def decoder(torch, d=1024, layers=12, vocab=32000):
     ).cuda()
 
 
-def lm_logits(torch, m, x):
-    """The decoder's logits for tokens `x` (causal)."""
-    mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device="cuda")
-    return m["head"](m["body"](m["emb"](x), mask=mask, is_causal=True))
-
-
-def lm_eval(torch, m, g, batch, seq):
-    """An evaluation pass of the decoder: forward only, no gradients, on `batch` x `seq`
-    tokens drawn from `g`."""
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
-        lm_logits(torch, m, x).float().mean()
-
-
 def lm_step(torch, m, opt, x):
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = lm_logits(torch, m, x)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], device="cuda")
+        h = m["body"](m["emb"](x), mask=mask, is_causal=True)
+        logits = m["head"](h)
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)
         )
@@ -179,8 +167,12 @@ def run_phases(torch, steps, batch=8, lengths=(512, 1024), run=6):
         x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
         loss = lm_step(torch, m, opt, x)
         if (i + 1) % run == 0:
-            for _ in range(2):
-                lm_eval(torch, m, g, batch, lengths[0])
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                for _ in range(2):
+                    e = torch.randint(0, 32000, (batch, lengths[0]), generator=g).cuda()
+                    mask = torch.nn.Transformer.generate_square_subsequent_mask(
+                        lengths[0], device="cuda")
+                    m["head"](m["body"](m["emb"](e), mask=mask, is_causal=True)).float().mean()
         yield loss
 
 
@@ -194,7 +186,10 @@ def run_traineval(torch, steps, batch=8, seq=1024, every=4):
         x = torch.randint(0, 32000, (batch, seq), generator=g).cuda()
         loss = lm_step(torch, m, opt, x)
         if (i + 1) % every == 0:
-            lm_eval(torch, m, g, 2 * batch, seq)
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                e = torch.randint(0, 32000, (2 * batch, seq), generator=g).cuda()
+                mask = torch.nn.Transformer.generate_square_subsequent_mask(seq, device="cuda")
+                m["head"](m["body"](m["emb"](e), mask=mask, is_causal=True)).float().mean()
         yield loss
 
 
