@@ -98,7 +98,7 @@ def setting_env(s):
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
-             "accum", "unet", "lora", "prefill", "phases", "traineval", "buckets"]
+             "accum", "unet", "lora", "prefill", "phases", "traineval", "buckets", "detect", "effnet"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -642,6 +642,51 @@ def run_unet(torch, steps, batch=32, hw=64):
         yield loss
 
 
+def run_detect(torch, steps, batch=4):
+    """Faster R-CNN (torchvision, ResNet-50 FPN, no pretrained weights) trained on images of a
+    size drawn per image (the model resizes and pads them: the batch's shape changes from step
+    to step) with 1-8 random boxes each, bf16 autocast, SGD: the region proposals, the
+    sampled boxes and the padded batch all change size every step."""
+    import torchvision
+
+    m = torchvision.models.detection.fasterrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, num_classes=91, min_size=512, max_size=896
+    ).cuda()
+    m.train()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(13)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+    for _ in range(steps):
+        images, targets = [], []
+        for _ in range(batch):
+            h, w = 32 * rnd(12, 25), 32 * rnd(12, 25)
+            images.append(torch.rand(3, h, w, generator=g).cuda())
+            n = rnd(1, 9)
+            xy = torch.rand(n, 2, generator=g) * torch.tensor([w * 0.6, h * 0.6])
+            wh = 16 + torch.rand(n, 2, generator=g) * torch.tensor([w * 0.35, h * 0.35])
+            targets.append({"boxes": torch.cat([xy, xy + wh], 1).cuda(),
+                            "labels": torch.randint(1, 91, (n,), generator=g).cuda()})
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses = m(images, targets)
+            loss = sum(v.float() for v in losses.values())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss
+
+
+def run_effnet(torch, steps, batch=96):
+    """EfficientNet-B0 (torchvision) trained at a fixed shape: many small tensors (depthwise
+    convolutions, squeeze-and-excitation), bf16 autocast, AdamW."""
+    import torchvision
+
+    m = torchvision.models.efficientnet_b0().cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(14)
+    for _ in range(steps):
+        yield image_step(torch, m, opt, g, batch, 224)
+
+
 def run_serve(torch, iterations):
     L, D, H = 8, 1024, 16
     w, emb = lm_weights(torch, L, D, seed=6)
@@ -698,6 +743,8 @@ def workload_steps(torch, workload, steps):
         "unet": lambda: run_unet(torch, steps),
         "lora": lambda: run_lora(torch, steps),
         "prefill": lambda: run_prefill(torch, steps),
+        "detect": lambda: run_detect(torch, steps),
+        "effnet": lambda: run_effnet(torch, steps),
     }[workload]()
 
 
