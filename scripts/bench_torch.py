@@ -55,6 +55,14 @@ Workloads (seeded; bf16 autocast where training):
   prefill long-context prefill of a 16-layer d=2048 Llama-style decoder, bf16, no gradients,
           one prompt a step at a length drawn per step (512..16,384 tokens), its keys and
           values kept and every position's logits computed
+  phases  the gpt job at 512 then 1,024 tokens in runs of 6 steps, each length coming back,
+          an evaluation pass (forward only) after each run
+  traineval the gpt job at 1,024 tokens with an evaluation pass (forward only, twice the
+          batch) every 4 steps
+  buckets the gpt job at a length drawn per step from 256, 512, 768 and 1,024, in no order
+  detect  Faster R-CNN (torchvision, ResNet-50 FPN) on 4 images a step whose sizes are drawn
+          per image, 1-8 random boxes each, SGD: shapes that change every step
+  effnet  EfficientNet-B0 (torchvision), batch 96 at 224, AdamW: many small tensors
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps four times over
 (each pass after the first repeats its steps) with --cap-gb of the device free (the rest taken
