@@ -61,7 +61,8 @@ Workloads (seeded; bf16 autocast where training):
           batch) every 4 steps
   buckets the gpt job at a length drawn per step from 256, 512, 768 and 1,024, in no order
   detect  Faster R-CNN (torchvision, ResNet-50 FPN) on 4 images a step whose sizes are drawn
-          per image, 1-8 random boxes each, SGD: shapes that change every step
+          per image, 1-8 random boxes each, SGD: shapes that change every step (its first
+          step took about 80 s in every process on an H200, whichever allocator ran)
   effnet  EfficientNet-B0 (torchvision), batch 96 at 224, AdamW: many small tensors
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps four times over
@@ -651,10 +652,10 @@ def run_unet(torch, steps, batch=32, hw=64):
 
 
 def run_detect(torch, steps, batch=4):
-    """Faster R-CNN (torchvision, ResNet-50 FPN, no pretrained weights) trained on images of a
-    size drawn per image (the model resizes and pads them: the batch's shape changes from step
-    to step) with 1-8 random boxes each, bf16 autocast, SGD: the region proposals, the
-    sampled boxes and the padded batch all change size every step."""
+    """Faster R-CNN (torchvision, ResNet-50 FPN, no pretrained weights) trained on `batch`
+    images a step, each of a size drawn per image and with 1-8 random boxes, bf16 autocast,
+    SGD. The model resizes the images and pads them into one batch, so the batch, the region
+    proposals and the sampled boxes change size every step."""
     import torchvision
 
     m = torchvision.models.detection.fasterrcnn_resnet50_fpn(
