@@ -64,6 +64,7 @@ Workloads (seeded; bf16 autocast where training):
           per image, 1-8 random boxes each, SGD: shapes that change every step (its first
           step took about 80 s in every process on an H200, whichever allocator ran)
   effnet  EfficientNet-B0 (torchvision), batch 96 at 224, AdamW: many small tensors
+  emptycache gptfix with torch.cuda.empty_cache() after every step
 
 Capacity (--capacity): the largest batch each setting runs for --steps steps four times over
 (each pass after the first repeats its steps) with --cap-gb of the device free (the rest taken
@@ -107,7 +108,8 @@ def setting_env(s):
 TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_access_ns",
              "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
-             "accum", "unet", "lora", "prefill", "phases", "traineval", "buckets", "detect", "effnet"]
+             "accum", "unet", "lora", "prefill", "phases", "traineval", "buckets", "detect", "effnet",
+             "emptycache"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -696,6 +698,15 @@ def run_effnet(torch, steps, batch=96):
         yield image_step(torch, m, opt, g, batch, 224)
 
 
+def run_emptycache(torch, steps):
+    """gptfix with `torch.cuda.empty_cache()` after every step, as some training and
+    evaluation loops call it: the cache is given back each step and taken again."""
+    for loss in run_gptfix(torch, steps):
+        loss = loss.detach()
+        torch.cuda.empty_cache()
+        yield loss
+
+
 def run_serve(torch, iterations):
     L, D, H = 8, 1024, 16
     w, emb = lm_weights(torch, L, D, seed=6)
@@ -754,6 +765,7 @@ def workload_steps(torch, workload, steps):
         "prefill": lambda: run_prefill(torch, steps),
         "detect": lambda: run_detect(torch, steps),
         "effnet": lambda: run_effnet(torch, steps),
+        "emptycache": lambda: run_emptycache(torch, steps),
     }[workload]()
 
 

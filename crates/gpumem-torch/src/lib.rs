@@ -672,6 +672,8 @@ pub fn history_flat(events: &[gpumem::trace::TraceEvent]) -> Vec<u64> {
                 Action::SegmentUnmap => 6,
                 Action::Snapshot => 7,
                 Action::Oom => 8,
+                // (the pool records none: a trace file's own)
+                Action::EmptyCache => 9,
             };
             [action, e.addr, e.size, e.stream, e.time_us, e.tag]
         })

@@ -91,6 +91,54 @@ fn recorded_figures_follow_the_segment_events() {
     assert_eq!(ours.peak_reserved_at, Some(1.0 / 7.0));
 }
 
+/// A trace's `empty_cache` event (the program called `torch.cuda.empty_cache()`) empties the
+/// replayed pool's cache there: the next, smaller block does not find the freed 100 MiB still
+/// reserved, as it does in the same trace without the event.
+#[test]
+fn a_traces_empty_cache_empties_the_replayed_pools_cache() {
+    let event = |action: &str, addr: u64, size: u64| {
+        format!(
+            r#"{{"action": "{action}", "addr": {addr}, "size": {size}, "stream": 0, "time_us": 1}}"#
+        )
+    };
+    let big = 100 << 20;
+    let mut lines = vec![
+        event("alloc", 0, big),
+        event("free_completed", 0, big),
+        event("empty_cache", 0, 0),
+        event("alloc", 1 << 30, 10 << 20),
+        event("free_completed", 1 << 30, 10 << 20),
+    ];
+    for config in [
+        Config::default(),
+        Config::parse("expandable_segments:False").unwrap(),
+    ] {
+        let reserved_at_the_small_block = |lines: &[String]| {
+            let ev = parse_trace("t", lines.join("\n").as_bytes()).unwrap();
+            let r = gpumem::trace::replay_simulated("m", &ev, &config, TIB, None).unwrap();
+            // (the timeline has a point per allocation and free: the small block's is the third)
+            r.timeline[2].2
+        };
+        let emptied = reserved_at_the_small_block(&lines);
+        let kept = reserved_at_the_small_block(
+            &lines
+                .iter()
+                .filter(|l| !l.contains("empty_cache"))
+                .cloned()
+                .collect::<Vec<_>>(),
+        );
+        assert!(
+            emptied < big && kept >= big,
+            "{emptied} and {kept} bytes reserved"
+        );
+    }
+    // the event is read by its name, and a trace with it replays to the end
+    lines.push(event("alloc", 0, 8));
+    let ev = parse_trace("t", lines.join("\n").as_bytes()).unwrap();
+    assert_eq!(ev[2].action, Action::EmptyCache);
+    assert!(replay("gpumem", &ev, &Config::default(), TIB).is_ok());
+}
+
 #[test]
 fn malformed_traces_are_errors_with_line_numbers() {
     let line = |action: &str, size: &str| {

@@ -100,7 +100,7 @@ pub fn render(title: &str, events: &[TraceEvent], replay: &Replay) -> String {
                 recorded.push(rec_reserved);
                 idx += 1;
             }
-            Action::FreeRequested | Action::Snapshot | Action::Oom => {}
+            Action::FreeRequested | Action::Snapshot | Action::Oom | Action::EmptyCache => {}
         }
     }
     let n = replay.timeline.len().max(1);

@@ -26,6 +26,9 @@ pub enum Action {
     Snapshot,
     /// the allocator reported out of memory (PyTorch)
     Oom,
+    /// the program asked the allocator to release its cache (`torch.cuda.empty_cache()`);
+    /// a replay empties the replayed pool's cache there
+    EmptyCache,
 }
 
 impl Action {
@@ -40,6 +43,7 @@ impl Action {
             "segment_unmap" => Action::SegmentUnmap,
             "snapshot" => Action::Snapshot,
             "oom" => Action::Oom,
+            "empty_cache" => Action::EmptyCache,
             _ => return None,
         })
     }

@@ -141,7 +141,7 @@ pub fn recorded(events: &[TraceEvent]) -> PolicyReport {
                 }
                 calls += 1;
             }
-            Action::FreeRequested | Action::Snapshot | Action::Oom => {}
+            Action::FreeRequested | Action::Snapshot | Action::Oom | Action::EmptyCache => {}
         }
     }
     PolicyReport {
@@ -533,6 +533,10 @@ fn run(
                     break;
                 };
                 alloc.deallocate(a)?;
+            }
+            Action::EmptyCache => {
+                alloc.empty_cache();
+                continue;
             }
             _ => continue,
         }
