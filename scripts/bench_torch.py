@@ -367,14 +367,19 @@ def image_step(torch, m, opt, g, batch, hw):
     return loss
 
 
+def train_classifier(torch, steps, m, batch, seed):
+    """`steps` training steps of image classifier `m` (on the GPU) with AdamW, on random
+    batches of `batch` images at 224 x 224 drawn from a generator seeded with `seed`."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield image_step(torch, m, opt, g, batch, 224)
+
+
 def run_vit(torch, steps, batch=32):
     import torchvision
 
-    m = torchvision.models.vit_b_16().cuda()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(10)
-    for _ in range(steps):
-        yield image_step(torch, m, opt, g, batch, 224)
+    yield from train_classifier(torch, steps, torchvision.models.vit_b_16().cuda(), batch, 10)
 
 
 def run_streams(torch, steps):
@@ -691,11 +696,7 @@ def run_effnet(torch, steps, batch=96):
     convolutions, squeeze-and-excitation), bf16 autocast, AdamW."""
     import torchvision
 
-    m = torchvision.models.efficientnet_b0().cuda()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(14)
-    for _ in range(steps):
-        yield image_step(torch, m, opt, g, batch, 224)
+    yield from train_classifier(torch, steps, torchvision.models.efficientnet_b0().cuda(), batch, 14)
 
 
 def run_emptycache(torch, steps):
