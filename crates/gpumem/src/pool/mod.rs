@@ -369,6 +369,10 @@ pub struct CachingPool {
     /// highest reserved bytes of this pool since its cache was last released (expandable
     /// segments: below it, pages are mapped rather than moved)
     high_water: u64,
+    /// the high-water mark the pool had when the job last emptied its cache
+    /// (`empty_cache`; 0 after a release for memory): a plan kept through it maps its region
+    /// back up to that mark without moves (`plan_mark`)
+    emptied_mark: u64,
     /// the device's last look for its headroom (expandable segments): free bytes (spare
     /// handles counted), every shard's reserved bytes then, and when (the backend's clock)
     device_look: (u64, u64, u64),
@@ -451,6 +455,7 @@ impl CachingPool {
             budget: Default::default(),
             plans: plan::Plans::new(page.is_some() && config.pool.planned_layout),
             high_water: 0,
+            emptied_mark: 0,
             device_look: (0, 0, 0),
             lent: FxHashMap::default(),
             foreign: FxHashMap::default(),

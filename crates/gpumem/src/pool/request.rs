@@ -393,8 +393,27 @@ impl CachingPool {
 
     /// Return every wholly free segment to the backend; returns the bytes released.
     pub fn release_cached(&mut self) -> u64 {
+        self.release_cache(false)
+    }
+
+    /// Release unused cached memory to the device (`torch.cuda.empty_cache()`). Unlike a
+    /// release for memory ([`CachingPool::release_cached`]), the job's plans stay: the plan
+    /// in step leaves its region (its free pages go back with the rest of the cache) and
+    /// takes it up again at its next start, and the detector keeps what it has seen, so that
+    /// a job that empties its cache every step or every few is still served from its plan.
+    pub fn empty_cache(&mut self) -> u64 {
+        self.release_cache(true)
+    }
+
+    fn release_cache(&mut self, keep_plans: bool) -> u64 {
         self.budget.restart();
-        self.plans_dissolve_all();
+        if keep_plans {
+            self.plans_rest();
+            self.emptied_mark = self.emptied_mark.max(self.high_water);
+        } else {
+            self.plans_dissolve_all();
+            self.emptied_mark = 0;
+        }
         self.flush_quick();
         self.process_events();
         let mut bytes = self.reclaim_pages(None, u64::MAX, true);
@@ -413,11 +432,6 @@ impl CachingPool {
         // what was given back is not mapped again without need
         self.high_water = self.stats.reserved();
         bytes
-    }
-
-    /// Release unused cached memory to the device (`torch.cuda.empty_cache()`).
-    pub fn empty_cache(&mut self) -> u64 {
-        self.release_cached()
     }
 
     /// Warm-up: allocate blocks of the given sizes and free them again, so that later requests

@@ -1073,6 +1073,65 @@ fn a_plan_of_two_periods_is_taken_up_at_the_next_start_of_either_period() {
     free(&mut p, weights);
 }
 
+/// A job that empties its cache after every step (`torch.cuda.empty_cache()`) keeps its plan:
+/// each emptying gives the region's free pages back, and the next step takes the region up
+/// again, its pages mapped ahead on the resource's thread, so the plan serves every step with
+/// no map on the allocating thread. Its plan is of two periods (a block lives into the next
+/// step), restarted in the same copy at every step, so the kept block lies at one of two
+/// addresses in turn: the two placements are made once each, then kept. (Before, emptying
+/// the cache dissolved the plans and reset the detector, and every step was mapped again
+/// block by block on the allocating thread, with no plan.)
+#[test]
+fn a_job_that_empties_its_cache_every_step_is_still_served_from_its_plan() {
+    let (mut p, dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let weights = alloc(&mut p, A, 300 * MIB);
+    let mut carried = alloc(&mut p, A, 5 * MIB);
+    let mut steps = Vec::new();
+    for _ in 0..16 {
+        let s0 = p.stats();
+        let c0 = dev.calls();
+        training_step(&mut p, 12, 1);
+        let next = alloc(&mut p, A, 5 * MIB);
+        free(&mut p, carried);
+        carried = next;
+        dev.complete_events();
+        p.empty_cache();
+        p.check_invariants().unwrap();
+        let (s, c) = (p.stats(), dev.calls());
+        // what is left reserved is what is live (the weights and the block carried over,
+        // 305 MiB), and the free pages of the physical handles they lie in
+        // what is left reserved is what is live (the weights and the block carried over,
+        // 305 MiB), and the free pages of the physical handle the carried block lies in (the
+        // region's pages are mapped in handles of up to 32 pages, and an unmap covers whole
+        // handles)
+        assert!(
+            s.reserved_bytes.all.current <= s.allocated_bytes.all.current + 64 * MIB,
+            "{s:?}"
+        );
+        steps.push((
+            s.num_plan_allocs - s0.num_plan_allocs,
+            (c.maps - c.maps_background) - (c0.maps - c0.maps_background),
+            s.num_plan_placements + s.num_plan_placements_ahead,
+        ));
+    }
+    let s = p.stats();
+    assert_eq!((s.num_plans, s.num_plan_misses), (1, 0), "{s:?}");
+    // served from the plan from the fifth step on, with no map on the allocating thread
+    assert!(
+        steps[4..]
+            .iter()
+            .all(|&(served, fg, _)| served == 37 && fg == 0),
+        "{steps:?}"
+    );
+    // and placed no more once each of the two placements is made
+    assert!(steps[8..].iter().all(|x| x.2 == steps[8].2), "{steps:?}");
+    assert!(p.plans.placed_again >= 6, "{}", p.plans.placed_again);
+    free(&mut p, carried);
+    free(&mut p, weights);
+    p.empty_cache();
+    assert_eq!(p.stats().reserved_bytes.all.current, 0);
+}
+
 /// A job that repeats gets a planned layout: from its fourth step on, its blocks take their
 /// planned offsets with no driver call, its memory stays within a few per cent of its live
 /// peak, an odd step in between (evaluation) goes to the dynamic pool and the plan resumes

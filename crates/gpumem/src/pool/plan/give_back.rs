@@ -78,6 +78,7 @@ impl CachingPool {
     pub(super) fn gave_back(&mut self, started: u64, before: u64) {
         if self.stats.reserved() < before {
             self.high_water = self.high_water.min(self.stats.reserved());
+            self.emptied_mark = self.emptied_mark.min(self.stats.reserved());
         }
         if let Ok(v) = self.vmm() {
             let took = v.now_ns().saturating_sub(started);

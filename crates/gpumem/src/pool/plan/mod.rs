@@ -86,6 +86,8 @@ const ORDERS: usize = 4;
 const SHUFFLES: usize = 4;
 /// Blocks from which [`place`] tries its orders on threads of their own.
 const PARALLEL_LIVES: usize = 256;
+/// Placements a plan keeps besides its last (see [`Plan::placed_before`]).
+const PLACEMENTS_KEPT: usize = 3;
 /// No slot at this position of the period.
 const NO_SLOT: u32 = u32::MAX;
 
@@ -200,6 +202,12 @@ pub(super) struct Plan {
     /// what its offsets were last placed around at its start (`plan_place_at_start`): the
     /// ranges of the blocks in the way and the blocks pinned where they are
     placed_around: Option<Around>,
+    /// the placements before that one, the latest first (at most [`PLACEMENTS_KEPT`]): what
+    /// each was placed around, its slots' offsets and its region's bytes. A job that empties
+    /// its cache every step restarts its plan of two periods in the same copy each time, so
+    /// the block it keeps into the next step is pinned where the last placement put it, and
+    /// the placements go round a cycle of a few: each is made once, then taken from here.
+    placed_before: Vec<(Around, Vec<u64>, u64)>,
     /// positions after which what is in the way at the plan's next start is known (the last
     /// allocation of a block that lives into the next period: its life wraps around), so
     /// that it can be placed then, before the start (`plan_place_ahead`)
@@ -300,6 +308,7 @@ impl Plan {
                 slots
             ],
             placed_around: None,
+            placed_before: Vec::new(),
             last_wrap,
             place_ahead: None,
             ahead: Vec::new(),

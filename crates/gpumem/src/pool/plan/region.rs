@@ -115,7 +115,7 @@ impl CachingPool {
             pages.runs(glo, ghi.min(end), false)
         };
         let need: u64 = runs.iter().map(|r| r.1).sum::<u64>() * page;
-        let over = (self.stats.reserved() + need).saturating_sub(self.high_water);
+        let over = (self.stats.reserved() + need).saturating_sub(self.plan_mark());
         // past the high-water mark, pages move here (the region's own unused ones first) as
         // in the dynamic pool; otherwise the region grows
         let peak = self.peak_allocated.max(self.stats.allocated());
@@ -193,7 +193,7 @@ impl CachingPool {
             return;
         }
         let need: u64 = runs.iter().map(|r| r.1).sum::<u64>() * page;
-        let over = (self.stats.reserved() + need).saturating_sub(self.high_water);
+        let over = (self.stats.reserved() + need).saturating_sub(self.plan_mark());
         let peak = self.peak_allocated.max(self.stats.allocated());
         let base = self.segments[seg as usize].addr;
         let _ = self.page_work(stream, over, need, peak, |pool, moving| {
@@ -202,7 +202,7 @@ impl CachingPool {
             }
             // (what would still pass the mark is mapped as the blocks come, with moves then;
             // trimming unmaps, so the mark is as it was)
-            if pool.stats.reserved() + need <= pool.high_water {
+            if pool.stats.reserved() + need <= pool.plan_mark() {
                 for (first, n) in runs {
                     let r = pool
                         .vmm()
@@ -430,7 +430,33 @@ impl CachingPool {
         self.checkpoint_on_free(stream);
     }
 
-    /// Dissolve every plan (the cache is being emptied: the job starts over).
+    /// The job empties its cache (`empty_cache`): the plan in step leaves its region, whose
+    /// free pages go back with the rest of the cache, and stays in step with the job, its
+    /// cursor at the soonest copy of its position, so that it takes its region up again at
+    /// its next start (its slots' pages mapped ahead, up to the mark the pool had before:
+    /// `plan_mark`). The other plans, the detector and the layout being computed stay.
+    pub(in crate::pool) fn plans_rest(&mut self) {
+        let Some(i) = self.plans.current else {
+            return;
+        };
+        let cursor = self.plans.plans[i].cursor;
+        self.plan_leave(i);
+        if let Some(c) = cursor {
+            let p = &mut self.plans.plans[i];
+            p.cursor = Some(p.soonest_copy(c));
+            self.plans.current = Some(i);
+        }
+    }
+
+    /// The high-water mark a plan's region is judged and mapped against: the pool's, or the
+    /// one it had when the job last emptied its cache, the higher (a plan kept through
+    /// `empty_cache` maps its region back as it was, without moves).
+    #[inline]
+    pub(super) fn plan_mark(&self) -> u64 {
+        self.high_water.max(self.emptied_mark)
+    }
+
+    /// Dissolve every plan (the cache is released for memory: the job starts over).
     pub(in crate::pool) fn plans_dissolve_all(&mut self) {
         while !self.plans.plans.is_empty() {
             self.plan_dissolve(0);

@@ -199,6 +199,9 @@ impl CachingPool {
                 }
             }
             if self.plan_adopt(i, seg, addr, stream) {
+                // (declines count in a row: a plan taken up is declined for good only
+                // where its next starts decline it again)
+                self.plans.plans[i].declines = 0;
                 self.plan_installs(first);
                 self.plan_map_ahead(i);
                 return Ok(());
@@ -252,10 +255,13 @@ impl CachingPool {
     /// blocks that are still live from the period before (their lives wrap around the start)
     /// keep the places they have (pinned there, or held there until their free: see
     /// [`place_at_start`]), every other block in use stays in the way (`plan_around`). At
-    /// every start whose blocks in the way differ from the last one's: a job that comes back
-    /// to a plan now and then (a length that recurs) mostly finds the same ones, its weights
+    /// every start whose blocks in the way differ from the last one's, and from those of the
+    /// few before ([`PLACEMENTS_KEPT`]), whose placements are kept: a job that comes back to
+    /// a plan now and then (a length that recurs) mostly finds the same ones, its weights
     /// and optimizer state, and keeps the offsets it had (86 of 102 starts on a 1,600-step
-    /// variable-length replay). The placement made ahead of the start (`plan_place_ahead`)
+    /// variable-length replay); one that empties its cache every step finds one of a few
+    /// (see [`Plan::placed_before`]). A kept placement is taken only where its region fits
+    /// the most a region may span now, as is one made ahead. The placement made ahead of the start (`plan_place_ahead`)
     /// is taken where it was made around the same blocks (its thread joined if it has not
     /// finished); else it is made here, on the allocating thread
     /// (the orders of [`place`], side by side).
@@ -264,12 +270,35 @@ impl CachingPool {
         let limit = self.plan_worth_region(seg);
         let around = self.plan_around(i, seg, self.plans.repeats.events(), false);
         let p = &mut self.plans.plans[i];
-        if p.placed_around.as_ref() == Some(&around) {
+        if p.placed_around.as_ref() == Some(&around) && p.layout.region <= limit {
             // the same blocks in the way as at its last start (a job that comes back to the
             // plan: its weights and optimizer state where they were): the same layout
             self.plans.placed_again += 1;
             return;
         }
+        // (the last placement joins those kept; one of them may be this start's)
+        if let Some(a) = p.placed_around.take() {
+            let offsets = p.layout.slots.iter().map(|s| s.0).collect();
+            p.placed_before.insert(0, (a, offsets, p.layout.region));
+        }
+        // (a placement is kept where it still fits: one made upside down spans up to the
+        // limit it was made with, and the limit moves with the pool's other bytes)
+        if let Some(k) = p
+            .placed_before
+            .iter()
+            .position(|b| b.0 == around && b.2 <= limit)
+        {
+            let (a, offsets, region) = p.placed_before.remove(k);
+            for (s, off) in p.layout.slots.iter_mut().zip(offsets) {
+                s.0 = off;
+            }
+            p.layout.region = region;
+            p.placed_around = Some(a);
+            self.plans.placed_again += 1;
+            return;
+        }
+        p.placed_before.truncate(PLACEMENTS_KEPT);
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let ahead = p
             .place_ahead
             .take()
@@ -277,7 +306,8 @@ impl CachingPool {
             .and_then(|a| match a.job {
                 PlaceJob::Done(r) => Some(r),
                 PlaceJob::Thread(h) => h.join().ok(),
-            });
+            })
+            .filter(|r| r.1.div_ceil(page).max(1) * page <= limit);
         let (offsets, total) = match ahead {
             Some(r) => {
                 self.stats.num_plan_placements_ahead += 1;
@@ -289,7 +319,6 @@ impl CachingPool {
                 place_at_start(&p.layout.lives, period, &around.0, &around.1, limit)
             }
         };
-        let page = self.policy.page.unwrap_or(MIN_BLOCK);
         let p = &mut self.plans.plans[i];
         for (k, s) in p.layout.slots.iter_mut().enumerate() {
             s.0 = offsets[k];
@@ -306,7 +335,7 @@ impl CachingPool {
             .pages
             .as_ref()
             .map_or(0, |p| p.mapped * page);
-        worth_region(self.stats.reserved(), mapped, self.high_water, page)
+        worth_region(self.stats.reserved(), mapped, self.plan_mark(), page)
     }
 
     /// What plan `i` is placed around at a start when the detector has counted `n0` events,
