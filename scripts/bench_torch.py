@@ -1383,7 +1383,10 @@ def main():
             calls = ""
             if "gpumem" in r and "vmm_calls_foreground_per_step" in r["gpumem"]:
                 g = r["gpumem"]
+                # (event records, cuEventRecord, are the allocating thread's calls that are no
+                # page call: the rest of fg are maps, unmaps, creates and access settings)
                 calls = (f"  calls/step fg {g['vmm_calls_foreground_per_step']:.1f} "
+                         f"(records {g.get('vmm_records_per_step', 0):.1f}) "
                          f"bg {g['vmm_calls_background_per_step']:.1f} "
                          f"waits {g.get('vmm_waits_per_step', 0):.1f} syncs {g['num_unmap_syncs']} "
                          f"stops {g.get('num_move_stops', 0)} "
