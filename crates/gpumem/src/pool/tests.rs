@@ -1292,6 +1292,34 @@ fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
     p.check_invariants().unwrap();
 }
 
+/// A release for memory (an out-of-memory retry, the device's headroom) dissolves every plan,
+/// whichever the job is in step with: here the second of two, the phase the job is in. (The
+/// plan in step was known by its index, which dissolving the plans before it left pointing
+/// past the end: the next allocation panicked. A replay of the accum trace with an
+/// `empty_cache` at eleven points found it, when `empty_cache` still dissolved the plans.)
+#[test]
+fn a_release_for_memory_dissolves_the_plan_in_step_whichever_it_is() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    for _ in 0..6 {
+        training_step(&mut p, 10, 1);
+    }
+    for _ in 0..6 {
+        training_step(&mut p, 10, 2);
+    }
+    assert_eq!(p.stats().num_plans, 2, "{:?}", p.stats());
+    // in step with the second plan, in the middle of a step
+    let a = alloc(&mut p, A, 16 * MIB);
+    p.release_cached();
+    p.check_invariants().unwrap();
+    free(&mut p, a);
+    for _ in 0..8 {
+        training_step(&mut p, 10, 2);
+    }
+    // the job is planned anew
+    assert_eq!(p.stats().num_plans, 3, "{:?}", p.stats());
+    p.check_invariants().unwrap();
+}
+
 // ------------------------------------------------------------------ segment hooks
 
 /// Pages (addresses of `PAGE`-sized pieces) the hook was told are there: whatever the pool

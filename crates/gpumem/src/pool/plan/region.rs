@@ -366,10 +366,14 @@ impl CachingPool {
         self.plan_enter_free(id);
     }
 
-    /// Give plan `i` up: it leaves its region, and is forgotten.
+    /// Give plan `i` up: it leaves its region, and is forgotten. (The plan in step, if a later
+    /// one, is known by its index, which moves down with it.)
     pub(in crate::pool) fn plan_dissolve(&mut self, i: usize) {
         self.plan_leave(i);
         self.plans.plans.remove(i);
+        if let Some(c) = self.plans.current.filter(|&c| c > i) {
+            self.plans.current = Some(c - 1);
+        }
     }
 
     /// Plan `i` leaves its region, which becomes an ordinary expandable segment again: its
