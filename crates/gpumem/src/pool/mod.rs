@@ -371,7 +371,8 @@ pub struct CachingPool {
     high_water: u64,
     /// the high-water mark the pool had when the job last emptied its cache
     /// (`empty_cache`; 0 after a release for memory): a plan kept through it maps its region
-    /// back up to that mark without moves (`plan_mark`)
+    /// back up to that mark without moves (`plan_mark`), and so does any plan made since,
+    /// until a give-back or a release for memory lowers it
     emptied_mark: u64,
     /// the device's last look for its headroom (expandable segments): free bytes (spare
     /// handles counted), every shard's reserved bytes then, and when (the backend's clock)

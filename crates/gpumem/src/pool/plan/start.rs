@@ -261,9 +261,9 @@ impl CachingPool {
     /// and optimizer state, and keeps the offsets it had (86 of 102 starts on a 1,600-step
     /// variable-length replay); one that empties its cache every step finds one of a few
     /// (see [`Plan::placed_before`]). A kept placement is taken only where its region fits
-    /// the most a region may span now, as is one made ahead. The placement made ahead of the start (`plan_place_ahead`)
-    /// is taken where it was made around the same blocks (its thread joined if it has not
-    /// finished); else it is made here, on the allocating thread
+    /// the most a region may span now, as is one made ahead. The placement made ahead of the
+    /// start (`plan_place_ahead`) is taken where it was made around the same blocks (its
+    /// thread joined if it has not finished); else it is made here, on the allocating thread
     /// (the orders of [`place`], side by side).
     pub(super) fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
