@@ -1077,8 +1077,8 @@ fn a_plan_of_two_periods_is_taken_up_at_the_next_start_of_either_period() {
 /// each emptying gives the region's free pages back, and the next step takes the region up
 /// again, its pages mapped ahead on the resource's thread, so the plan serves every step with
 /// no map on the allocating thread. Its plan is of two periods (a block lives into the next
-/// step), restarted in the same copy at every step, so the kept block lies at one of two
-/// addresses in turn: the two placements are made once each, then kept. (Before, emptying
+/// step), restarted in the same copy at every step, so the kept block lies at one of a few
+/// addresses in turn (three here): each placement is made once, then kept. (Before, emptying
 /// the cache dissolved the plans and reset the detector, and every step was mapped again
 /// block by block on the allocating thread, with no plan.)
 #[test]
@@ -1098,8 +1098,6 @@ fn a_job_that_empties_its_cache_every_step_is_still_served_from_its_plan() {
         p.empty_cache();
         p.check_invariants().unwrap();
         let (s, c) = (p.stats(), dev.calls());
-        // what is left reserved is what is live (the weights and the block carried over,
-        // 305 MiB), and the free pages of the physical handles they lie in
         // what is left reserved is what is live (the weights and the block carried over,
         // 305 MiB), and the free pages of the physical handle the carried block lies in (the
         // region's pages are mapped in handles of up to 32 pages, and an unmap covers whole
@@ -1123,7 +1121,7 @@ fn a_job_that_empties_its_cache_every_step_is_still_served_from_its_plan() {
             .all(|&(served, fg, _)| served == 37 && fg == 0),
         "{steps:?}"
     );
-    // and placed no more once each of the two placements is made
+    // and placed no more once each of the placements is made
     assert!(steps[8..].iter().all(|x| x.2 == steps[8].2), "{steps:?}");
     assert!(p.plans.placed_again >= 6, "{}", p.plans.placed_again);
     free(&mut p, carried);
