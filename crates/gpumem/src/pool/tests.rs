@@ -1265,10 +1265,9 @@ fn a_plan_that_keeps_losing_the_job_at_once_is_forgotten() {
     assert_eq!(p.stats().num_plan_allocs, planned);
 }
 
-/// A lasting change of shapes gets a plan of its own; the old one is kept for when the
-/// first shapes come back (phases), and both serve with no driver call once made.
-#[test]
-fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
+/// A pool that ran six training steps of one shape, then six of twice the sizes: a plan for
+/// each phase, the job in step with the second.
+fn two_phases() -> (CachingPool, Arc<SimulatedDevice>) {
     let (mut p, dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
     for _ in 0..6 {
         training_step(&mut p, 10, 1);
@@ -1277,6 +1276,14 @@ fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
         training_step(&mut p, 10, 2);
     }
     assert_eq!(p.stats().num_plans, 2, "{:?}", p.stats());
+    (p, dev)
+}
+
+/// A lasting change of shapes gets a plan of its own; the old one is kept for when the
+/// first shapes come back (phases), and both serve with no driver call once made.
+#[test]
+fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
+    let (mut p, dev) = two_phases();
     // (the plan is found again from the first events of the phase's first step)
     training_step(&mut p, 10, 1);
     let before = (vmm_calls(&dev), p.stats().num_plan_allocs);
@@ -1297,14 +1304,7 @@ fn a_new_phase_gets_a_plan_of_its_own_and_the_old_one_serves_again() {
 /// `empty_cache` at eleven points found it, when `empty_cache` still dissolved the plans.)
 #[test]
 fn a_release_for_memory_dissolves_the_plan_in_step_whichever_it_is() {
-    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
-    for _ in 0..6 {
-        training_step(&mut p, 10, 1);
-    }
-    for _ in 0..6 {
-        training_step(&mut p, 10, 2);
-    }
-    assert_eq!(p.stats().num_plans, 2, "{:?}", p.stats());
+    let (mut p, _dev) = two_phases();
     // in step with the second plan, in the middle of a step
     let a = alloc(&mut p, A, 16 * MIB);
     p.release_cached();
