@@ -27,7 +27,12 @@ in N such groups, their order rotated from group to group, and each workload end
 pooled ratios: every group's steps after the first --skip, median, 10th percentile (the fast
 level) and mean over native's, and step by step (the geometric mean of each step's time over
 native's same step in its group: the figure for a job whose steps differ in shape), with 95%
-intervals from resampling whole groups.
+intervals from resampling whole groups. With --pin CPU every worker runs on that one CPU
+(and one OpenMP thread): in lockstep the processes take their turns on the same core. On an
+H200 machine (stop 86) that took the spread between two processes of one setting from up to
+20% to 0.2-7% (a median of about 1.5%), and steps that moved between levels 25-45% apart
+(LoRA 92-135 ms) to one level (80-83 ms); enqueue, the time until a step's code returned its
+loss, is printed beside each step time (close to it: the job is bound by the host).
 
 Workloads (seeded; bf16 autocast where training):
   gpt     12-layer d=1024 decoder (nn.TransformerEncoder), batch 8 x 1024 tokens, AdamW
@@ -814,14 +819,24 @@ def worker(workload, setting, steps, lockstep=False):
     before_late = {}
     torch.cuda.synchronize()
     turns = LockstepSteps(gen) if lockstep else None
+    # per step, beside its time: the host's time until the step's code returned its loss (all
+    # its work queued) and the process's CPU time in the step. A step whose enqueue time is
+    # close to its time is bound by the host; one whose enqueue time is well below it waited
+    # on the GPU, so a slower step with the same enqueue time is slower on the GPU.
+    enqueue, cpu = [], []
     start = time.perf_counter()
     t = start
+    c = time.process_time()
     for loss in turns or gen:
+        queued = time.perf_counter()
         losses.append(float(loss))
         torch.cuda.synchronize()
         now = time.perf_counter()
+        began = turns.started if turns else t
         # in lockstep, a step's time starts when its turn comes, not while the others run
-        times.append((now - (turns.started if turns else t)) * 1e3)
+        times.append((now - began) * 1e3)
+        enqueue.append((queued - began) * 1e3)
+        cpu.append((time.process_time() - (turns.cpu if turns else c)) * 1e3)
         t = now
         if lockstep:
             print(f"STEPTIME {times[-1]:.4f}", flush=True)
@@ -850,6 +865,7 @@ def worker(workload, setting, steps, lockstep=False):
                 "num_plan_placements", "num_plan_placements_ahead", *TIME_KEYS)), file=sys.stderr, flush=True)
         # the next step's time starts here: reading the statistics is not the job's time
         t = time.perf_counter()
+        c = time.process_time()
     total = (time.perf_counter() - start) * 1e3
     host = (host_before + host_ms(torch)) / 2
     if setting.startswith("gpumem"):
@@ -868,6 +884,8 @@ def worker(workload, setting, steps, lockstep=False):
         "total_ms": total,
         "steps": len(times),
         "times_ms": [round(x, 2) for x in times],
+        "enqueue_ms": [round(x, 2) for x in enqueue],
+        "cpu_ms": [round(x, 2) for x in cpu],
         "peak_allocated": whole_peak("allocated_bytes.all.peak"),
         "peak_reserved": whole_peak("reserved_bytes.all.peak"),
         # peak reserved / peak allocated over the last steps (from `late` on)
@@ -908,10 +926,12 @@ class LockstepSteps:
     def __init__(self, gen):
         self.it = iter(gen)
         self.started = time.perf_counter()
+        self.cpu = time.process_time()
 
     def __iter__(self):
         while sys.stdin.readline():
             self.started = time.perf_counter()
+            self.cpu = time.process_time()
             try:
                 loss = next(self.it)
             except StopIteration:
@@ -930,7 +950,8 @@ def lockstep_run(workload, settings, steps, here):
         # stderr to a file: a pipe nobody reads while the turns go on would fill and block
         errs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(subprocess.Popen(cmd, env=child_env(s, here), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=errs[-1], text=True))
+                                      stdout=subprocess.PIPE, stderr=errs[-1], text=True,
+                                      preexec_fn=pinned()))
     failed = set()
     # each process's stdout lines read during the turns (a finished one's RESULT among them)
     seen = [[] for _ in procs]
@@ -984,7 +1005,9 @@ def fmt_ratio(x):
 def progress(res, tail):
     """One finished worker's line on stderr: step time, peak reserved / allocated over the
     run and over its last 10 steps."""
-    print(f"  {res['workload']:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms  ratio "
+    late = lambda k: statistics.median(res[k][3:]) if len(res.get(k, [])) > 3 else float("nan")
+    print(f"  {res['workload']:<7} {res['setting']:<11} step {res['step_ms']:9.2f} ms (enqueue "
+          f"{late('enqueue_ms'):.2f}, cpu {late('cpu_ms'):.2f})  ratio "
           f"{res['peak_reserved'] / max(res['peak_allocated'], 1):6.3f} last-10 "
           f"{fmt_ratio(res.get('settled_ratio'))}  {tail}",
           file=sys.stderr, flush=True)
@@ -1167,10 +1190,25 @@ def probe(job, setting, batch, steps, cap):
     print("PROBE " + json.dumps(out), flush=True)
 
 
+# --pin: the one CPU every worker runs on (None: wherever the scheduler puts it)
+PIN = None
+
+
+def pinned():
+    """What a worker process runs before it starts (`preexec_fn`): with --pin, its CPU."""
+    if PIN is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {PIN})
+
+
 def child_env(setting, here):
     """The environment of a fresh process running `setting` (`here`: this script's folder)."""
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if PIN is not None:
+        # one CPU: one OpenMP thread (more would only take turns with the main thread)
+        env["OMP_NUM_THREADS"] = "1"
+        env["MKL_NUM_THREADS"] = "1"
     env.update(setting_env(setting))
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     if setting.startswith("gpumem"):
@@ -1304,6 +1342,8 @@ def main():
                         "so that no setting's process is always started first)")
     p.add_argument("--skip", type=int, default=6,
                    help="lockstep groups: steps left out of the pooled ratios at each start")
+    p.add_argument("--pin", type=int, metavar="CPU",
+                   help="run every worker process on this one CPU, with one OpenMP thread")
     p.add_argument("--lockstep", action="store_true",
                    help="run a workload's settings side by side, one step each in turn "
                    "(timings paired step by step; kv and serve, timed whole, run one by one)")
@@ -1315,6 +1355,8 @@ def main():
     p.add_argument("--first", type=int, help="capacity: the first batch tried where native is not run")
     p.add_argument("--probe", nargs=3, metavar=("JOB", "SETTING", "BATCH"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    global PIN
+    PIN = a.pin
     here = os.path.dirname(os.path.abspath(__file__))
     if a.worker or a.probe:
         # a run started by hand gets the environment its setting is measured in (the parent
@@ -1356,7 +1398,8 @@ def main():
         for s in a.settings.split(","):
             env = child_env(s, here)
             cmd = worker_cmd(w, s, a.steps)
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                               preexec_fn=pinned())
             res = worker_result(w, s, r.returncode, r.stdout, r.stderr)
             results.append(res)
             if "error" in res:
