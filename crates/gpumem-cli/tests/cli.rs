@@ -242,10 +242,12 @@ fn advise_names_the_best_configuration_and_the_warmup() {
     assert!(!ok && err.contains("/nonexistent.jsonl"), "{err}");
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("gpumem-cli-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A fresh directory for a test's files, removed when the test ends (dropped).
+fn tmp() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("gpumem-cli-test-")
+        .tempdir()
+        .unwrap()
 }
 
 const RESNET: &str = concat!(
@@ -255,7 +257,8 @@ const RESNET: &str = concat!(
 
 #[test]
 fn viz_writes_one_self_contained_html_file() {
-    let out = tmp("resnet.html");
+    let dir = tmp();
+    let out = dir.path().join("resnet.html");
     let (ok, _, err) = gpumem(&["viz", RESNET, "-o", out.to_str().unwrap()]);
     assert!(ok, "{err}");
     let html = std::fs::read_to_string(&out).unwrap();
@@ -282,8 +285,9 @@ fn viz_writes_one_self_contained_html_file() {
 #[test]
 #[ignore = "needs chromium (apt install chromium)"]
 fn viz_renders_in_headless_chromium() {
-    let html = tmp("render.html");
-    let png = tmp("render.png");
+    let dir = tmp();
+    let html = dir.path().join("render.html");
+    let png = dir.path().join("render.png");
     let (ok, _, err) = gpumem(&["viz", RESNET, "-o", html.to_str().unwrap()]);
     assert!(ok, "{err}");
     let status = Command::new("chromium")
@@ -372,8 +376,8 @@ fn gpu_only_benches_say_why_without_a_gpu() {
 /// no panic, and done within seconds.
 #[test]
 fn bad_inputs_are_refused_clearly_and_quickly() {
-    let dir = std::env::temp_dir().join(format!("gpumem-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tmp();
+    let dir = tmp.path();
     let file = |name: &str, text: &str| {
         let p = dir.join(name);
         std::fs::write(&p, text).unwrap();
@@ -519,5 +523,4 @@ fn bad_inputs_are_refused_clearly_and_quickly() {
     let (ok, text, _) = gpumem(&["replay", &empty]);
     assert!(ok);
     assert!(text.contains("empty"), "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

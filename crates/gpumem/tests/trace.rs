@@ -344,7 +344,8 @@ fn recorded_traces_replay_to_the_same_peak() {
         assert_eq!(again.peak_reserved_bytes, peak, "{conf}");
         assert_eq!(again.peak_live_bytes, rec.peak_live_bytes);
         // round trip through a gzip file
-        let path = std::env::temp_dir().join(format!("gpumem-rec-{}.jsonl.gz", std::process::id()));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rec.jsonl.gz");
         gpumem::trace::write_trace(&path, &events).unwrap();
         let back = read_trace(&path).unwrap();
         assert_eq!(back.len(), events.len());
@@ -360,8 +361,8 @@ fn recorded_traces_replay_to_the_same_peak() {
 #[test]
 fn truncated_gzip_is_an_error_not_a_panic() {
     let full = std::fs::read(data("resnet50_train.jsonl.gz")).unwrap();
-    let dir = std::env::temp_dir().join(format!("gpumem-trace-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let cut = dir.join("cut.jsonl.gz");
     std::fs::File::create(&cut)
         .unwrap()
@@ -376,7 +377,6 @@ fn truncated_gzip_is_an_error_not_a_panic() {
         read_trace(&dir.join("missing.jsonl")),
         Err(Error::Trace(_))
     ));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Replay `events` with gpumem's default policy and with classic segments (PyTorch's native
