@@ -1034,7 +1034,9 @@ def pooled_ratios(groups, skip, draws=2000, seed=1):
     allocator), and of the means, the first two with a 95% interval from resampling whole
     groups (a process's own speed is what varies most, so the group, not the step, is the
     unit). Returns {setting: {"median": (ratio, low, high), "p10": (...), "mean": ratio,
-    "groups": n}}."""
+    "groups": n}}, and under "control", for each setting run twice in every group, its second
+    process over its first step by step with its interval: the spread this run cannot resolve
+    (--settings native,gpumem,native,gpumem gives both)."""
     import random
 
     def p10(xs):
@@ -1061,6 +1063,17 @@ def pooled_ratios(groups, skip, draws=2000, seed=1):
         boot = sorted(paired(rng.choices(have, k=len(have)), s, skip) for _ in range(draws))
         res["paired"] = (paired(have, s, skip), boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1])
         out[s] = res
+    # the control: a setting run twice in every group, its second process over its first step
+    # by step (what two processes of one allocator differ by in this run: the noise floor)
+    for s in dict.fromkeys(s for g in groups for s in g):
+        twice = [g for g in groups if len(g.get(s, [])) >= 2]
+        if len(twice) < len(groups) or not twice:
+            continue
+        ctl = lambda gs: paired([{"native": [g[s][0]], "second": [g[s][1]]} for g in gs],
+                                "second", skip)
+        boot = sorted(ctl(rng.choices(twice, k=len(twice))) for _ in range(draws))
+        out.setdefault("control", {})[s] = (ctl(twice), boot[int(0.025 * draws)],
+                                            boot[int(0.975 * draws) - 1])
     return out
 
 
@@ -1442,6 +1455,11 @@ def main():
                   f"{fmt_ratio(r.get('settled_ratio')):>7}  {same}{calls}")
     for w, by in pooled.items():
         for st, r in by.items():
+            if st == "control":
+                for c, (x, lo, hi) in r.items():
+                    print(f"{w:<8} {c:<11} control: its second process over its first, step by "
+                          f"step {x:.4f} (95% {lo:.4f}-{hi:.4f})")
+                continue
             (med, lo, hi), (fast, flo, fhi) = r["median"], r["p10"]
             print(f"{w:<8} {st:<11} pooled over {r['groups']} groups (steps after {a.skip}), over "
                   f"native's: median {med:.4f} (95% {lo:.4f}-{hi:.4f}), 10th percentile {fast:.4f} "
