@@ -30,7 +30,7 @@ native's same step in its group: the figure for a job whose steps differ in shap
 intervals from resampling whole groups. With --pin CPU every worker runs on that one CPU
 (and one OpenMP thread): in lockstep the processes take their turns on the same core. On an
 H200 machine (stop 86) that took the spread between two processes of one setting from up to
-20% to 0.2-7% (a median of about 1.5%), and steps that moved between levels 25-45% apart
+20% to 0.2-7.3% (a median of about 2%), and steps that moved between levels 25-45% apart
 (LoRA 92-135 ms) to one level (80-83 ms); enqueue, the time until a step's code returned its
 loss, is printed beside each step time (close to it: the job is bound by the host).
 
