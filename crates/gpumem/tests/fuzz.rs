@@ -145,8 +145,8 @@ fn fuzz_trace_gzip() {
     let mut r = SplitMix::new(seed() ^ 1);
     let base = valid_trace();
     let n = iters() / 2;
-    let dir = std::env::temp_dir().join(format!("gpumem-fuzz-gz-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     for i in 0..n {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         gz.write_all(&mutate(&mut r, &base)).unwrap();
@@ -164,7 +164,6 @@ fn fuzz_trace_gzip() {
         });
         let _ = std::fs::remove_file(&path);
     }
-    let _ = std::fs::remove_dir_all(&dir);
     println!("gzip: {n} inputs, no panic");
 }
 
