@@ -1065,7 +1065,7 @@ def pooled_ratios(groups, skip, draws=2000, seed=1):
         out[s] = res
     # the control: a setting run twice in every group, its second process over its first step
     # by step (what two processes of one allocator differ by in this run: the noise floor)
-    for s in dict.fromkeys(s for g in groups for s in g):
+    for s in dict.fromkeys(name for g in groups for name in g):
         twice = [g for g in groups if len(g.get(s, [])) >= 2]
         if len(twice) < len(groups) or not twice:
             continue
