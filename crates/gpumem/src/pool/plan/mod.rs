@@ -86,6 +86,9 @@ const ORDERS: usize = 4;
 const SHUFFLES: usize = 4;
 /// Blocks from which [`place`] tries its orders on threads of their own.
 const PARALLEL_LIVES: usize = 256;
+/// [`place_pinned`] stops after its first wave of tries where one spans at most the bound
+/// plus this fraction of it (1/400: 0.25%; see [`near_bound`]).
+const NEAR_BOUND: u64 = 400;
 /// Placements a plan keeps besides its last (see [`Plan::placed_before`]).
 const PLACEMENTS_KEPT: usize = 3;
 /// No slot at this position of the period.

@@ -214,7 +214,8 @@ proptest::proptest! {
 #[test]
 fn a_large_step_is_placed_on_threads_as_one_by_one() {
     // 1,200 blocks of a random step (xorshift): tried side by side, the layout is the
-    // first smallest of the orders, as when they are tried one after another
+    // first smallest of the orders, as when they are tried one after another (the first
+    // wave's best is not near the bound here, so every order is tried)
     let mut x = 0x2545_f491_4f6c_dd1du64;
     let mut next = |m: u64| {
         x ^= x << 13;
@@ -232,6 +233,7 @@ fn a_large_step_is_placed_on_threads_as_one_by_one() {
         .collect();
     assert!(lives.len() >= PARALLEL_LIVES);
     let (off, total) = place(&lives, period, &[]);
+    assert!(total > near_bound(&lives, period, &[]));
     let mut best: Option<(Vec<u64>, u64)> = None;
     for (k, fit) in tries() {
         let r = place_around(&lives, period, &order(&lives, period, k), fit, &[], &[]);
@@ -329,13 +331,16 @@ fn a_step_placed_around_blocks_that_stay_keeps_off_them_and_takes_the_least_of_b
             total * 100 <= bound * 103,
             "seed {seed}: {total} against {bound}"
         );
+        // the least of every order, unless the first wave came near the bound and ended the
+        // search (then at most that far above it)
         let around = tries()
             .map(|(k, fit)| {
                 place_around(&lives, period, &order(&lives, period, k), fit, &fixed, &[]).1
             })
             .min()
             .unwrap();
-        assert!(total <= around, "seed {seed}");
+        let near = near_bound(&lives, period, &fixed);
+        assert!(total <= around || total <= near, "seed {seed}");
     }
 }
 
