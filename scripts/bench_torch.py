@@ -1405,7 +1405,8 @@ def main():
                         times.setdefault(res["setting"], []).append(res["times_ms"])
                         progress(res, f"(lockstep, group {g})")
                 groups.append(times)
-            if a.groups > 1:
+            # (one group pools too where it runs a setting twice: its control)
+            if a.groups > 1 or len(set(settings)) < len(settings):
                 pooled[w] = pooled_ratios(groups, a.skip)
             continue
         for s in a.settings.split(","):
