@@ -188,9 +188,15 @@ pub(super) fn place_pinned(
     gaps: bool,
 ) -> (Vec<u64>, u64) {
     // `None`: the gaps first
-    let attempt = |t: Option<(usize, bool)>| match t {
-        Some((k, fit)) => place_around(lives, period, &order(lives, period, k), fit, fixed, pinned),
-        None => fill_gaps_first(lives, period, fixed, pinned),
+    let attempt = |t: Option<(usize, bool)>| {
+        #[cfg(test)]
+        ATTEMPTS.with(|n| n.set(n.get() + 1));
+        match t {
+            Some((k, fit)) => {
+                place_around(lives, period, &order(lives, period, k), fit, fixed, pinned)
+            }
+            None => fill_gaps_first(lives, period, fixed, pinned),
+        }
     };
     // each attempt is quadratic in the blocks: a step of a few thousand blocks tries them
     // side by side (on threads of their own; one by one where threads cannot be had), so
@@ -241,6 +247,13 @@ pub(super) fn place_pinned(
         results.sort_by_key(|(t, _)| all.iter().position(|a| a == t));
     }
     first_smallest(results)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Attempts [`place_pinned`] made on this thread (those of fewer than
+    /// [`PARALLEL_LIVES`] blocks run where it is called), for the tests.
+    pub(super) static ATTEMPTS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The first of the smallest of `results` (offsets, bytes spanned).

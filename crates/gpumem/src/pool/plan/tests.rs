@@ -344,6 +344,39 @@ fn a_step_placed_around_blocks_that_stay_keeps_off_them_and_takes_the_least_of_b
     }
 }
 
+#[test]
+fn a_placement_near_the_bound_ends_after_the_first_wave_of_tries() {
+    let tries_made = |lives: &[Life], period: u32, fixed: &[(u64, u64)]| {
+        assert!(lives.len() < PARALLEL_LIVES);
+        ATTEMPTS.with(|n| n.set(0));
+        let r = place_pinned(lives, period, fixed, &[], true);
+        (r, ATTEMPTS.with(|n| n.get()))
+    };
+    // a step whose activations are freed in the reverse order of their allocation, beside
+    // two blocks that stay: every order stacks them, at the bound (the first wave: two orders
+    // by breadth, and the gaps first with its own two tries)
+    let unit = MIN_BLOCK;
+    let n = 40u32;
+    let lives: Vec<Life> = (0..n)
+        .map(|i| life(u64::from(1 + i % 7) * unit, i, 2 * n - i))
+        .collect();
+    let fixed = [(0, 16 * unit), (40 * unit, 48 * unit)];
+    let ((off, total), made) = tries_made(&lives, 2 * n + 1, &fixed);
+    assert!(total <= near_bound(&lives, 2 * n + 1, &fixed), "{total}");
+    assert_eq!(made, 5);
+    assert!(valid(&lives, 2 * n + 1, &fixed, &[], &off, total));
+    // a step the first wave does not place near the bound: every try, and the least of them
+    for seed in 0..20 {
+        let (lives, period, fixed) = step_around_fixed(seed);
+        let ((_, total), made) = tries_made(&lives, period, &fixed);
+        if total > near_bound(&lives, period, &fixed) {
+            assert_eq!(made, 15, "seed {seed}");
+            return;
+        }
+    }
+    panic!("no step of step_around_fixed was placed far from its bound");
+}
+
 /// Whether `off` places `lives` with no two whose lives meet overlapping, none on a `fixed`
 /// range, all within `total`, and none that meets what is left of a `live` block's life (from
 /// the start to its free) on the bytes it holds.
