@@ -54,10 +54,12 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 /// and the dynamic layout then grew to 1.158 of live; held, the plan is taken, 1.0186). Made
 /// at every start, it lost elsewhere (gpt_train 1.0223 -> 1.0312, gptfix 1.0115 -> 1.0122:
 /// its slots' first period moved more) and doubled the placement's work, so it is made only
-/// for a plan that would otherwise be declined. So is a third, upside down
+/// for a plan that would otherwise be declined, and after a third, upside down
 /// ([`place_reflected`]: a block live across the start high in the segment bends a placement
 /// from the bottom up; gptfix's step-4 start 10,034 MiB, upside down 9,536), made at the limit
-/// and then as tight as that layout allows; the smallest of all is kept.
+/// and then as tight as that layout allows: where that fits the limit it is kept without the
+/// held one (gptfix's and emptycache's starts: their held placement, 10,145 MiB, took 15 tries
+/// of work for nothing); else the smallest of all is kept.
 pub(super) fn place_at_start(
     lives: &[Life],
     period: u32,
@@ -68,6 +70,21 @@ pub(super) fn place_at_start(
     let pinned = place_pinned(lives, period, fixed, live, true);
     if live.is_empty() || pinned.1 <= limit {
         return pinned;
+    }
+    // upside down: the first at the limit, the second as tight as the first allows
+    let mut best = pinned;
+    let mut top = limit;
+    for _ in 0..2 {
+        match place_reflected(lives, period, fixed, live, top) {
+            Some(r) if r.1 < best.1 => {
+                top = r.2;
+                best = (r.0, r.1);
+            }
+            _ => break,
+        }
+    }
+    if best.1 <= limit {
+        return best;
     }
     let mut all = lives.to_vec();
     let mut held = Vec::with_capacity(live.len());
@@ -85,21 +102,8 @@ pub(super) fn place_at_start(
     }
     let (mut offsets, total) = place_pinned(&all, period, fixed, &held, true);
     offsets.truncate(lives.len());
-    let mut best = if total < pinned.1 {
-        (offsets, total)
-    } else {
-        pinned
-    };
-    // upside down: the first at the limit, the second as tight as the first allows
-    let mut top = limit;
-    for _ in 0..2 {
-        match place_reflected(lives, period, fixed, live, top) {
-            Some(r) if r.1 < best.1 => {
-                top = r.2;
-                best = (r.0, r.1);
-            }
-            _ => break,
-        }
+    if total < best.1 {
+        return (offsets, total);
     }
     best
 }
