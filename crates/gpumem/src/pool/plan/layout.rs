@@ -181,9 +181,10 @@ pub(super) fn tries() -> impl Iterator<Item = (usize, bool)> {
 /// start's placement may run on the allocating thread; over every real trace's placements
 /// (dev VM, stop 87) the first wave's best was within 0.25% of the bound in most of them
 /// (unet, lora, vit, resnet, buckets, traineval, gptfix's later starts), which then cost
-/// 5 tries' work instead of 15 (unet's 2,810 blocks: 135 ms of the dev VM's two cores;
-/// traineval's starts after each evaluation, on an H200 with every process on one core:
-/// 20-25 ms more on the step after it, where the placement made ahead shared the core).
+/// 5 tries' work instead of 15: unet's first start (2,810 blocks) 216-236 ms of one dev-VM
+/// core before, 61 after. On an H200 with every process on one core, traineval's steps after
+/// each evaluation, where the placement made ahead shared the core, took 20-25 ms more than
+/// native's before, 6-8 after.
 pub(super) fn place_pinned(
     lives: &[Life],
     period: u32,

@@ -393,11 +393,11 @@ impl CachingPool {
     /// Plan `i`, waiting for its start with the job in step at position `pos` (past its last
     /// allocation whose life wraps around the start): place it now around what the start
     /// will find in the way, on a thread of its own (inline on a simulated device), so that
-    /// the start takes the placement without making it (one core of the dev VM, stop 87:
-    /// 6-11 ms for vit, 11 for traineval, 17 for lora, 31-61 for unet, 44-185 for gptfix and
-    /// 52-73 for gpt_train). Where the process has no core to spare (on an H200 with each
-    /// process on one core) the thread's work still lands on the step it runs beside:
-    /// traineval's steps after each evaluation took 6-8 ms more than native's.
+    /// the start takes the placement without making it (one core of the dev VM, 2ee45ac:
+    /// 10-12 ms for lora and traineval, 19 for unet, 27-84 for gptfix, 31-44 for gpt_train).
+    /// Where the process has no core to spare (on an H200 with each process on one core) the
+    /// thread's work still lands on the step it runs beside: traineval's steps after each
+    /// evaluation took 6-8 ms more than native's (9c5e3e1).
     #[cold]
     #[inline(never)]
     pub(super) fn plan_place_ahead(&mut self, i: usize, pos: u32) {
