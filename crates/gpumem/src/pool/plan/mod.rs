@@ -127,6 +127,31 @@ fn worth_region(reserved: u64, mapped: u64, high_water: u64, page: u64) -> u64 {
 /// way, and the blocks pinned where they are (index, offset).
 type Around = (Vec<(u64, u64)>, Vec<(usize, u64)>);
 
+/// Whether a placement made around `old`, its slots at `slots` (offset, bytes), serves a
+/// start around `new` as it is: the same blocks pinned, and each block in the way now that
+/// was not then clear of every slot (a block gone leaves room unused, no conflict). A job
+/// that leaves a small block of another phase in its segment, here one time and there the
+/// next, keeps its placements: traineval's train plan finds a 4 MiB block of its evaluation
+/// at 1,624 MiB or at 2,878 by turns (its replay, the GPU 300 calls behind: 6 placements
+/// made ahead, was 8; phases' 6 on the allocating thread, was 8; the same layouts).
+fn serves_around(mut slots: impl Iterator<Item = (u64, u64)>, old: &Around, new: &Around) -> bool {
+    if old.1 != new.1 {
+        return false;
+    }
+    let added: Vec<(u64, u64)> = new
+        .0
+        .iter()
+        .copied()
+        .filter(|r| old.0.binary_search(r).is_err())
+        .collect();
+    // (each slot against the new blocks, sorted: those that end past its start, the first)
+    added.is_empty()
+        || slots.all(|(at, n)| {
+            let k = added.partition_point(|r| r.1 <= at);
+            added.get(k).is_none_or(|r| at + n <= r.0)
+        })
+}
+
 /// Where a planned region's blocks start, by page of its layout: each page's first block
 /// (the lowest that starts in it), or `NIL`. A split or a join in the region changes one
 /// entry; finding the block that holds an address walks back over the pages of one block at
@@ -248,6 +273,27 @@ struct GiveBack {
 }
 
 impl Plan {
+    /// The placement a start around `around` takes as it is, within `limit` bytes: its last
+    /// (`Some(None)`) or the kept one at `k` of [`Plan::placed_before`] (`Some(Some(k))`),
+    /// made around the same blocks or around blocks that serve it ([`serves_around`]). (A
+    /// placement is taken only where it still fits the limit: one made upside down spans up
+    /// to the limit it was made with, and the limit moves with the pool's other bytes.)
+    fn placement_serving(&self, around: &Around, limit: u64) -> Option<Option<usize>> {
+        if let Some(a) = &self.placed_around {
+            let slots = self.layout.slots.iter().map(|s| (s.0, s.1));
+            if self.layout.region <= limit && (a == around || serves_around(slots, a, around)) {
+                return Some(None);
+            }
+        }
+        self.placed_before
+            .iter()
+            .position(|b| {
+                let slots = b.1.iter().zip(&self.layout.slots).map(|(&at, s)| (at, s.1));
+                b.2 <= limit && (b.0 == *around || serves_around(slots, &b.0, around))
+            })
+            .map(Some)
+    }
+
     pub(super) fn new(mut layout: Layout) -> Self {
         let p = layout.prints.len();
         let slots = layout.slots.len();

@@ -270,30 +270,28 @@ impl CachingPool {
         let limit = self.plan_worth_region(seg);
         let around = self.plan_around(i, seg, self.plans.repeats.events(), false);
         let p = &mut self.plans.plans[i];
-        if p.placed_around.as_ref() == Some(&around) && p.layout.region <= limit {
+        let serving = p.placement_serving(&around, limit);
+        if serving == Some(None) {
             // the same blocks in the way as at its last start (a job that comes back to the
-            // plan: its weights and optimizer state where they were): the same layout
+            // plan: its weights and optimizer state where they were), or none new in the
+            // way of its slots: the same layout
+            p.placed_around = Some(around);
             self.plans.placed_again += 1;
             return;
         }
-        // (the last placement joins those kept; one of them may be this start's)
+        // (the last placement joins those kept, the first of them)
+        let joined = usize::from(p.placed_around.is_some());
         if let Some(a) = p.placed_around.take() {
             let offsets = p.layout.slots.iter().map(|s| s.0).collect();
             p.placed_before.insert(0, (a, offsets, p.layout.region));
         }
-        // (a placement is kept where it still fits: one made upside down spans up to the
-        // limit it was made with, and the limit moves with the pool's other bytes)
-        if let Some(k) = p
-            .placed_before
-            .iter()
-            .position(|b| b.0 == around && b.2 <= limit)
-        {
-            let (a, offsets, region) = p.placed_before.remove(k);
+        if let Some(Some(k)) = serving {
+            let (_, offsets, region) = p.placed_before.remove(k + joined);
             for (s, off) in p.layout.slots.iter_mut().zip(offsets) {
                 s.0 = off;
             }
             p.layout.region = region;
-            p.placed_around = Some(a);
+            p.placed_around = Some(around);
             self.plans.placed_again += 1;
             return;
         }
@@ -410,12 +408,13 @@ impl CachingPool {
         }
         let n0 = self.plans.repeats.events() + (p.pos.len() as u64 - u64::from(pos));
         let around = self.plan_around(i, seg, n0, true);
-        if p.placed_around.as_ref() == Some(&around) {
+        let limit = self.plan_worth_region(seg);
+        // (none where the start will take its last placement or a kept one, as it is)
+        if p.placement_serving(&around, limit).is_some() {
             return;
         }
         let (lives, period) = (p.layout.lives.clone(), p.pos.len() as u32);
         let (fixed, pinned) = around.clone();
-        let limit = self.plan_worth_region(seg);
         let place = move || place_at_start(&lives, period, &fixed, &pinned, limit);
         let job = if matches!(
             self.backend.location(),

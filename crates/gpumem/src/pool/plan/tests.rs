@@ -377,6 +377,27 @@ fn a_placement_near_the_bound_ends_after_the_first_wave_of_tries() {
     panic!("no step of step_around_fixed was placed far from its bound");
 }
 
+#[test]
+fn a_placement_serves_a_start_whose_new_blocks_in_the_way_are_clear_of_its_slots() {
+    let old: Around = (vec![(0, 100), (200, 300)], vec![(3, 500)]);
+    let slots = [(100u64, 50u64), (150, 50), (300, 100)];
+    let with = |fixed: Vec<(u64, u64)>, pinned: Vec<(usize, u64)>| {
+        serves_around(slots.iter().copied(), &old, &(fixed, pinned))
+    };
+    // the same, a block more where no slot lies, a block gone: it serves
+    assert!(with(vec![(0, 100), (200, 300)], vec![(3, 500)]));
+    assert!(with(vec![(0, 100), (200, 300), (600, 610)], vec![(3, 500)]));
+    assert!(with(vec![(0, 100)], vec![(3, 500)]));
+    // a block more on a slot, or a block pinned elsewhere: it does not
+    assert!(!with(
+        vec![(0, 100), (160, 170), (200, 300)],
+        vec![(3, 500)]
+    ));
+    assert!(!with(vec![(0, 100), (200, 300)], vec![(3, 520)]));
+    // (a block that moved onto a slot is new where it lies now)
+    assert!(!with(vec![(0, 100), (250, 350)], vec![(3, 500)]));
+}
+
 /// Whether `off` places `lives` with no two whose lives meet overlapping, none on a `fixed`
 /// range, all within `total`, and none that meets what is left of a `live` block's life (from
 /// the start to its free) on the bytes it holds.
