@@ -243,10 +243,8 @@ pub(super) fn place_pinned(
     let (one, two): (Vec<Try>, Vec<Try>) =
         all.iter().partition(|t| matches!(t, None | Some((3, _))));
     let mut results = run(&one);
-    if results
-        .iter()
-        .all(|r| r.1 .1 > near_bound(lives, period, fixed))
-    {
+    let near = near_bound(lives, period, fixed);
+    if results.iter().all(|r| r.1 .1 > near) {
         results.extend(run(&two));
         // (in the order of `all`, so that the first of the smallest is as one by one)
         results.sort_by_key(|(t, _)| all.iter().position(|a| a == t));

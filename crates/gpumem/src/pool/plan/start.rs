@@ -279,14 +279,16 @@ impl CachingPool {
             self.plans.placed_again += 1;
             return;
         }
-        // (the last placement joins those kept, the first of them)
-        let joined = usize::from(p.placed_around.is_some());
+        // (a kept placement that serves leaves those kept; the last joins them, the first)
+        let taken = match serving {
+            Some(Some(k)) => Some(p.placed_before.remove(k)),
+            _ => None,
+        };
         if let Some(a) = p.placed_around.take() {
             let offsets = p.layout.slots.iter().map(|s| s.0).collect();
             p.placed_before.insert(0, (a, offsets, p.layout.region));
         }
-        if let Some(Some(k)) = serving {
-            let (_, offsets, region) = p.placed_before.remove(k + joined);
+        if let Some((_, offsets, region)) = taken {
             for (s, off) in p.layout.slots.iter_mut().zip(offsets) {
                 s.0 = off;
             }
