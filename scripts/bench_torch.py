@@ -862,7 +862,7 @@ def worker(workload, setting, steps, lockstep=False):
                 "num_move_stops", "vmm_calls_foreground", "vmm_calls_background",
                 "allocated_bytes.all.peak", "reserved_bytes.all.peak", "num_page_moves", "num_pressure_moves", "page_move_ns",
                 "num_plans", "num_plans_declined", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes",
-                "num_plan_placements", "num_plan_placements_ahead", *TIME_KEYS)), file=sys.stderr, flush=True)
+                "num_plan_placements", "num_plan_placements_ahead", "num_plan_repairs", *TIME_KEYS)), file=sys.stderr, flush=True)
         # the next step's time starts here: reading the statistics is not the job's time
         t = time.perf_counter()
         c = time.process_time()
@@ -903,7 +903,7 @@ def worker(workload, setting, steps, lockstep=False):
                       "num_checkpoints",
                       "num_move_stops", "num_pressure_moves", "page_move_ns", "page_map_ns",
                       "num_plans", "num_plans_declined", "num_plan_allocs", "num_plan_misses", "plan_reserved_bytes",
-                      "num_plan_placements", "num_plan_placements_ahead")
+                      "num_plan_placements", "num_plan_placements_ahead", "num_plan_repairs")
         }
         # driver calls per step after warm-up (steady state: 0 for a periodic job)
         if calls_at_warm is not None and len(times) > warm:

@@ -161,6 +161,10 @@ pub struct Stats {
     pub num_plan_placements: u64,
     /// starts that took a placement made ahead, off the allocating thread
     pub num_plan_placements_ahead: u64,
+    /// of those placements (either way), the ones mended from an earlier placement: only the
+    /// slots that a new block in the way, or a block live across the start somewhere new,
+    /// lands on placed again, where that spans no more than the earlier one did
+    pub num_plan_repairs: u64,
     /// allocations served at their planned offsets
     pub num_plan_allocs: u64,
     /// allocations in step with a plan whose bytes were not free (served by the dynamic pool)
@@ -313,6 +317,7 @@ impl Stats {
         self.num_plans_declined += o.num_plans_declined;
         self.num_plan_placements += o.num_plan_placements;
         self.num_plan_placements_ahead += o.num_plan_placements_ahead;
+        self.num_plan_repairs += o.num_plan_repairs;
         self.num_plans_dropped += o.num_plans_dropped;
         self.num_plan_allocs += o.num_plan_allocs;
         self.num_plan_misses += o.num_plan_misses;
@@ -471,6 +476,7 @@ pub(crate) struct HotStats {
     pub(crate) num_plans_declined: u64,
     pub(crate) num_plan_placements: u64,
     pub(crate) num_plan_placements_ahead: u64,
+    pub(crate) num_plan_repairs: u64,
     pub(crate) num_plans_dropped: u64,
     pub(crate) num_plan_allocs: u64,
     pub(crate) num_plan_misses: u64,
@@ -649,6 +655,7 @@ impl HotStats {
             num_plans_declined: self.num_plans_declined,
             num_plan_placements: self.num_plan_placements,
             num_plan_placements_ahead: self.num_plan_placements_ahead,
+            num_plan_repairs: self.num_plan_repairs,
             num_plans_dropped: self.num_plans_dropped,
             num_plan_allocs: self.num_plan_allocs,
             num_plan_misses: self.num_plan_misses,

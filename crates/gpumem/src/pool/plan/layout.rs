@@ -21,7 +21,6 @@ impl Life {
         }
     }
 
-    #[cfg(test)]
     pub(super) fn meets(&self, other: &Life, period: u32) -> bool {
         self.spans(period).iter().any(|&(a0, a1)| {
             a0 < a1
@@ -106,6 +105,59 @@ pub(super) fn place_at_start(
         return (offsets, total);
     }
     best
+}
+
+/// A placement `base` (offsets of `lives`) made around other blocks, mended for a start
+/// around the `fixed` ranges and the `pinned` blocks (index, offset): each pinned block goes
+/// where it lies, and only the blocks that now overlap a fixed range, or a pinned block that
+/// moved while their lives meet, are placed again (the largest first, each at the lowest
+/// offset where it fits beside all the others); the rest keep their offsets. The offsets,
+/// the bytes spanned, and how many blocks moved. One search per moved block, where a
+/// placement makes one per block for each of its 3 to 15 tries: a job that leaves a block of
+/// another phase in the plan's way now and then (an evaluation's), or keeps a block across
+/// the start somewhere else, moves a few slots instead of placing them all again.
+pub(super) fn repair(
+    lives: &[Life],
+    period: u32,
+    base: &[u64],
+    fixed: &[(u64, u64)],
+    pinned: &[(usize, u64)],
+) -> (Vec<u64>, u64, usize) {
+    let mut at = base.to_vec();
+    let mut stays = vec![true; lives.len()];
+    let mut is_pinned = vec![false; lives.len()];
+    let mut sorted = fixed.to_vec();
+    sorted.sort_unstable();
+    for &(k, off) in pinned {
+        at[k] = off;
+        is_pinned[k] = true;
+    }
+    let overlaps = |lo: u64, hi: u64| {
+        let f = sorted.partition_point(|r| r.1 <= lo);
+        sorted.get(f).is_some_and(|r| r.0 < hi)
+    };
+    for (i, l) in lives.iter().enumerate() {
+        if is_pinned[i] {
+            continue;
+        }
+        let (lo, hi) = (at[i], at[i] + l.size);
+        stays[i] = !overlaps(lo, hi)
+            && !pinned.iter().any(|&(k, off)| {
+                off != base[k] && off < hi && lo < off + lives[k].size && l.meets(&lives[k], period)
+            });
+    }
+    let kept: Vec<(usize, u64)> = (0..lives.len())
+        .filter(|&i| stays[i])
+        .map(|i| (i, at[i]))
+        .collect();
+    let mut moved: Vec<usize> = (0..lives.len()).filter(|&i| !stays[i]).collect();
+    moved.sort_by_key(|&i| (u64::MAX - lives[i].size, lives[i].start));
+    let mut p = Placer::new(lives, period, &sorted, &kept);
+    for &i in &moved {
+        let off = p.lowest_fit(i, true);
+        p.put(i, off);
+    }
+    (p.offset, p.total, moved.len())
 }
 
 /// [`place_pinned`] upside down above the `fixed` ranges: each `live` block pinned at its

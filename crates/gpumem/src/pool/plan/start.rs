@@ -263,7 +263,8 @@ impl CachingPool {
     /// (see [`Plan::placed_before`]). A kept placement is taken only where its region fits
     /// the most a region may span now, as is one made ahead. The placement made ahead of the
     /// start (`plan_place_ahead`) is taken where it was made around the same blocks (its
-    /// thread joined if it has not finished); else it is made here, on the allocating thread
+    /// thread joined if it has not finished); else one is mended from an earlier placement
+    /// where that spans no more ([`Plan::repaired`]), or made here, on the allocating thread
     /// (the orders of [`place`], side by side).
     pub(super) fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
@@ -304,19 +305,28 @@ impl CachingPool {
             .take()
             .filter(|a| a.around == around)
             .and_then(|a| match a.job {
-                PlaceJob::Done(r) => Some(r),
-                PlaceJob::Thread(h) => h.join().ok(),
+                PlaceJob::Done(r) => Some((r, a.mended)),
+                PlaceJob::Thread(h) => h.join().ok().map(|r| (r, false)),
             })
-            .filter(|r| r.1.div_ceil(page).max(1) * page <= limit);
+            .filter(|(r, _)| r.1.div_ceil(page).max(1) * page <= limit);
         let (offsets, total) = match ahead {
-            Some(r) => {
+            Some((r, mended)) => {
                 self.stats.num_plan_placements_ahead += 1;
+                self.stats.num_plan_repairs += u64::from(mended);
                 r
             }
             None => {
                 self.stats.num_plan_placements += 1;
-                let period = p.pos.len() as u32;
-                place_at_start(&p.layout.lives, period, &around.0, &around.1, limit)
+                match p.repaired(&around, limit, page) {
+                    Some(r) => {
+                        self.stats.num_plan_repairs += 1;
+                        r
+                    }
+                    None => {
+                        let period = p.pos.len() as u32;
+                        place_at_start(&p.layout.lives, period, &around.0, &around.1, limit)
+                    }
+                }
             }
         };
         let p = &mut self.plans.plans[i];
@@ -392,9 +402,11 @@ impl CachingPool {
 
     /// Plan `i`, waiting for its start with the job in step at position `pos` (past its last
     /// allocation whose life wraps around the start): place it now around what the start
-    /// will find in the way, on a thread of its own (inline on a simulated device), so that
-    /// the start takes the placement without making it (one core of the dev VM, 2ee45ac:
-    /// 10-12 ms for lora and traineval, 19 for unet, 27-84 for gptfix, 31-44 for gpt_train).
+    /// will find in the way, mended from an earlier placement where that spans no more
+    /// ([`Plan::repaired`]: a few searches, here), else on a thread of its own (inline on a
+    /// simulated device), so that the start takes the placement without making it (one core
+    /// of the dev VM, 2ee45ac: 10-12 ms for lora and traineval, 19 for unet, 27-84 for
+    /// gptfix, 31-44 for gpt_train).
     /// Where the process has no core to spare (on an H200 with each process on one core) the
     /// thread's work still lands on the step it runs beside: traineval's steps after each
     /// evaluation took 6-8 ms more than native's (9c5e3e1).
@@ -415,6 +427,18 @@ impl CachingPool {
         if p.placement_serving(&around, limit).is_some() {
             return;
         }
+        let page = self.policy.page.unwrap_or(MIN_BLOCK);
+        // (mended where that costs nothing: no thread)
+        if let Some(r) = p.repaired(&around, limit, page) {
+            let job = PlaceJob::Done(r);
+            let mended = true;
+            self.plans.plans[i].place_ahead = Some(PlaceAhead {
+                around,
+                job,
+                mended,
+            });
+            return;
+        }
         let (lives, period) = (p.layout.lives.clone(), p.pos.len() as u32);
         let (fixed, pinned) = around.clone();
         let place = move || place_at_start(&lives, period, &fixed, &pinned, limit);
@@ -432,7 +456,12 @@ impl CachingPool {
                 Err(_) => return,
             }
         };
-        self.plans.plans[i].place_ahead = Some(PlaceAhead { around, job });
+        let mended = false;
+        self.plans.plans[i].place_ahead = Some(PlaceAhead {
+            around,
+            job,
+            mended,
+        });
     }
 
     /// Take segment `seg` (at `addr`) over for plan `i`: its free blocks leave the free sets

@@ -398,6 +398,57 @@ fn a_placement_serves_a_start_whose_new_blocks_in_the_way_are_clear_of_its_slots
     assert!(!with(vec![(0, 100), (250, 350)], vec![(3, 500)]));
 }
 
+#[test]
+fn a_placement_mended_for_a_new_block_in_the_way_moves_only_the_blocks_it_lands_on() {
+    let unit = 1u64 << 20;
+    let mut mended = 0;
+    for seed in 0..20 {
+        let (mut lives, mut period, mut fixed) = step_around_fixed(seed);
+        // an output kept into the next step: its life wraps around the start
+        lives.push(life(8 * unit, period, 2));
+        period += 1;
+        let k = lives.len() - 1;
+        // placed around a block of another phase (32 MiB above the blocks that stay) ...
+        let top = fixed.iter().map(|f| f.1).max().unwrap();
+        let was = (top, top + 32 * unit);
+        fixed.push(was);
+        let (base, total) = place(&lives, period, &fixed);
+        // ... that is gone at the next start, where one is in the way of the smallest slot
+        // above it instead
+        fixed.pop();
+        let hit = (0..k)
+            .filter(|&i| base[i] >= was.1)
+            .min_by_key(|&i| (lives[i].size, i))
+            .unwrap();
+        let extra = (base[hit], base[hit] + unit);
+        let mut now = fixed.clone();
+        now.push(extra);
+        let (off, t, moved) = repair(&lives, period, &base, &now, &[]);
+        assert!(valid(&lives, period, &now, &[], &off, t), "seed {seed}");
+        let on = |i: usize| base[i] < extra.1 && extra.0 < base[i] + lives[i].size;
+        assert_eq!(moved, (0..lives.len()).filter(|&i| on(i)).count());
+        for i in (0..lives.len()).filter(|&i| !on(i)) {
+            assert_eq!(off[i], base[i], "seed {seed}: {i} moved");
+        }
+        // (the blocks it lands on fit where the gone block was, unless they are larger)
+        mended += usize::from(t <= total);
+        // the kept output pinned elsewhere (where the dynamic pool left it): it lies there,
+        // and only the blocks whose lives meet its own on those bytes move
+        let at = if base[k] == was.1 { was.1 + 2 * unit } else { was.1 };
+        let (off, t, _) = repair(&lives, period, &base, &now, &[(k, at)]);
+        assert_eq!(off[k], at);
+        assert!(valid(&lives, period, &now, &[], &off, t), "seed {seed}");
+        for (i, l) in lives.iter().enumerate().filter(|&(i, _)| i != k) {
+            let clear = !on(i)
+                && (!l.meets(&lives[k], period)
+                    || base[i] + l.size <= at
+                    || at + lives[k].size <= base[i]);
+            assert!(!clear || off[i] == base[i], "seed {seed}: {i} moved");
+        }
+    }
+    assert_eq!(mended, 20);
+}
+
 /// Whether `off` places `lives` with no two whose lives meet overlapping, none on a `fixed`
 /// range, all within `total`, and none that meets what is left of a `live` block's life (from
 /// the start to its free) on the bytes it holds.
