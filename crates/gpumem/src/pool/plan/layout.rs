@@ -36,7 +36,7 @@ impl Life {
 /// overlap, nor any of the `fixed` ranges `[lo, hi)` (blocks that stay where they are), and
 /// the bytes the layout spans: the best of a few greedy orders.
 pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u64>, u64) {
-    place_pinned(lives, period, fixed, &[], true)
+    place_pinned(lives, period, fixed, &[], true, u64::MAX)
 }
 
 /// A plan's offsets at a start, around the `fixed` ranges of the blocks in its way and the
@@ -58,7 +58,11 @@ pub(super) fn place(lives: &[Life], period: u32, fixed: &[(u64, u64)]) -> (Vec<u
 /// from the bottom up; gptfix's step-4 start 10,034 MiB, upside down 9,536), made at the limit
 /// and then as tight as that layout allows: where that fits the limit it is kept without the
 /// held one (gptfix's and emptycache's starts: their held placement, 10,145 MiB, took 15 tries
-/// of work for nothing); else the smallest of all is kept.
+/// of work for nothing); else the smallest of all is kept. The pinned placement's second
+/// wave of tries ([`place_pinned`]) waits where its first passes the limit, until upside down
+/// has not fitted: emptycache's start that pinned a block of logits high took 137 ms of one
+/// dev-VM core (a pinned placement of both waves at 10,035 MiB, then upside down at the
+/// limit), 50 without that second wave (stop 88; every replay the same).
 pub(super) fn place_at_start(
     lives: &[Life],
     period: u32,
@@ -66,7 +70,8 @@ pub(super) fn place_at_start(
     live: &[(usize, u64)],
     limit: u64,
 ) -> (Vec<u64>, u64) {
-    let pinned = place_pinned(lives, period, fixed, live, true);
+    let defer = if live.is_empty() { u64::MAX } else { limit };
+    let pinned = place_pinned(lives, period, fixed, live, true, defer);
     if live.is_empty() || pinned.1 <= limit {
         return pinned;
     }
@@ -85,6 +90,14 @@ pub(super) fn place_at_start(
     if best.1 <= limit {
         return best;
     }
+    // (the pinned placement's second wave, deferred until upside down did not fit)
+    let pinned = place_pinned(lives, period, fixed, live, true, u64::MAX);
+    if pinned.1 <= limit {
+        return pinned;
+    }
+    if pinned.1 < best.1 {
+        best = pinned;
+    }
     let mut all = lives.to_vec();
     let mut held = Vec::with_capacity(live.len());
     for &(k, off) in live {
@@ -99,7 +112,7 @@ pub(super) fn place_at_start(
             });
         }
     }
-    let (mut offsets, total) = place_pinned(&all, period, fixed, &held, true);
+    let (mut offsets, total) = place_pinned(&all, period, fixed, &held, true, u64::MAX);
     offsets.truncate(lives.len());
     if total < best.1 {
         return (offsets, total);
@@ -185,7 +198,7 @@ pub(super) fn place_reflected(
         }
         pins.push((k, base + top - end));
     }
-    let (offsets, total) = place_pinned(lives, period, fixed, &pins, true);
+    let (offsets, total) = place_pinned(lives, period, fixed, &pins, true, u64::MAX);
     let across = lives
         .iter()
         .zip(&offsets)
@@ -236,13 +249,15 @@ pub(super) fn tries() -> impl Iterator<Item = (usize, bool)> {
 /// 5 tries' work instead of 15: unet's first start (2,810 blocks) 216-236 ms of one dev-VM
 /// core before, 61 after. On an H200 with every process on one core, traineval's steps after
 /// each evaluation, where the placement made ahead shared the core, took 20-25 ms more than
-/// native's before, 6-8 after.
+/// native's before, 6-8 after. Where the first wave's best spans more than `defer_above`, the
+/// second is left to the caller (`place_at_start` tries upside down first).
 pub(super) fn place_pinned(
     lives: &[Life],
     period: u32,
     fixed: &[(u64, u64)],
     pinned: &[(usize, u64)],
     gaps: bool,
+    defer_above: u64,
 ) -> (Vec<u64>, u64) {
     // `None`: the gaps first
     let attempt = |t: Option<(usize, bool)>| {
@@ -296,7 +311,8 @@ pub(super) fn place_pinned(
         all.iter().partition(|t| matches!(t, None | Some((3, _))));
     let mut results = run(&one);
     let near = near_bound(lives, period, fixed);
-    if results.iter().all(|r| r.1 .1 > near) {
+    let least = results.iter().map(|r| r.1 .1).min().unwrap_or(0);
+    if least > near && least <= defer_above {
         results.extend(run(&two));
         // (in the order of `all`, so that the first of the smallest is as one by one)
         results.sort_by_key(|(t, _)| all.iter().position(|a| a == t));
@@ -445,7 +461,7 @@ pub(super) fn fill_gaps_first(
     let mut above = fixed.to_vec();
     above.push((0, ceiling));
     let placed = p.placed();
-    place_pinned(lives, period, &above, &placed, false)
+    place_pinned(lives, period, &above, &placed, false, u64::MAX)
 }
 
 /// Place `lives` in `order`, each at the lowest offset where it fits (`best_gap`: in the
@@ -869,7 +885,7 @@ pub(super) fn layout(
     // mapped first and then around the fixed blocks alone, 26 tries, took 28 ms of gptfix's
     // layout on the dev VM, for offsets no replay used)
     let (offsets, total) = match &home {
-        Some(h) => place_pinned(&lives, period, &h.fixed, &[], false),
+        Some(h) => place_pinned(&lives, period, &h.fixed, &[], false, u64::MAX),
         None => place(&lives, period, &[]),
     };
     let mut slot_at = vec![NO_SLOT; period as usize];

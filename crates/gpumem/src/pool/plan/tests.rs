@@ -102,7 +102,7 @@ fn a_block_live_at_a_start_is_held_where_it_lies_until_its_free_where_that_spans
     // C lives from 3 to 9, so it meets W's next life (from 8) but not what is left of this
     // one: pinned for good, W pushes C above it; held until its free, C goes below
     let lives = [life(1024, 8, 2), life(4096, 3, 9)];
-    let (pinned, spans) = place_pinned(&lives, 10, &[], &[(0, 1024)], true);
+    let (pinned, spans) = place_pinned(&lives, 10, &[], &[(0, 1024)], true, u64::MAX);
     assert_eq!((pinned[0], spans), (1024, 6144));
     let (off, total) = place_at_start(&lives, 10, &[], &[(0, 1024)], 0);
     assert_eq!((off.len(), total), (2, 5120));
@@ -349,7 +349,7 @@ fn a_placement_near_the_bound_ends_after_the_first_wave_of_tries() {
     let tries_made = |lives: &[Life], period: u32, fixed: &[(u64, u64)]| {
         assert!(lives.len() < PARALLEL_LIVES);
         ATTEMPTS.with(|n| n.set(0));
-        let r = place_pinned(lives, period, fixed, &[], true);
+        let r = place_pinned(lives, period, fixed, &[], true, u64::MAX);
         (r, ATTEMPTS.with(|n| n.get()))
     };
     // a step whose activations are freed in the reverse order of their allocation, beside
@@ -434,7 +434,11 @@ fn a_placement_mended_for_a_new_block_in_the_way_moves_only_the_blocks_it_lands_
         mended += usize::from(t <= total);
         // the kept output pinned elsewhere (where the dynamic pool left it): it lies there,
         // and only the blocks whose lives meet its own on those bytes move
-        let at = if base[k] == was.1 { was.1 + 2 * unit } else { was.1 };
+        let at = if base[k] == was.1 {
+            was.1 + 2 * unit
+        } else {
+            was.1
+        };
         let (off, t, _) = repair(&lives, period, &base, &now, &[(k, at)]);
         assert_eq!(off[k], at);
         assert!(valid(&lives, period, &now, &[], &off, t), "seed {seed}");
