@@ -1194,7 +1194,10 @@ fn a_start_with_a_block_in_the_way_of_a_slot_mends_its_last_placement() {
     use gpumem::{CachingAllocator, Stream};
     use std::sync::Arc;
     let mut mended = 0;
-    for name in ["torch_phases_train.jsonl.gz", "torch_traineval_train.jsonl.gz"] {
+    for name in [
+        "torch_phases_train.jsonl.gz",
+        "torch_traineval_train.jsonl.gz",
+    ] {
         let events = read_trace(&data(name)).unwrap();
         let sim = Arc::new(SimulatedDevice::new(TIB));
         sim.set_lag(300);
