@@ -123,8 +123,8 @@ pub(super) fn place_at_start(
 /// A placement `base` (offsets of `lives`) made around other blocks, mended for a start
 /// around the `fixed` ranges and the `pinned` blocks (index, offset): each pinned block goes
 /// where it lies, and only the blocks that now overlap a fixed range, or a pinned block that
-/// moved while their lives meet, are placed again (the largest first, each at the lowest
-/// offset where it fits beside all the others); the rest keep their offsets. The offsets,
+/// moved while their lives meet, are placed again (the largest first, each in the smallest
+/// gap it fits beside all the others, else on top); the rest keep their offsets. The offsets,
 /// the bytes spanned, and how many blocks moved. One search per moved block, where a
 /// placement makes one per block for each of its 3 to 15 tries: a job that leaves a block of
 /// another phase in the plan's way now and then (an evaluation's), or keeps a block across
