@@ -1557,6 +1557,14 @@ fn a_plan_taken_up_again_around_the_same_blocks_is_not_placed_again() {
     // at most one placement a plan, at its first start; every later start keeps it
     assert!(placed.1 <= placed.0, "{placed:?}");
     assert!(placed.2 >= 12, "{placed:?}");
+    // and a plan waiting for its start looks at what will be in its way once, not at each
+    // event up to the start
+    let starts = placed.1 + placed.2;
+    assert!(
+        p.plans.looked_ahead <= starts,
+        "{} {placed:?}",
+        p.plans.looked_ahead
+    );
     free(&mut p, weights);
 }
 

@@ -455,6 +455,9 @@ struct PlaceAhead {
 enum PlaceJob {
     Thread(std::thread::JoinHandle<(Vec<u64>, u64)>),
     Done((Vec<u64>, u64)),
+    /// none made: the start will take its last or a kept placement as it is
+    /// ([`Plan::placement_serving`]), which it checks again then
+    Serving,
 }
 
 /// A layout being computed off the allocating thread.
@@ -504,6 +507,10 @@ pub(super) struct Plans {
     /// starts that kept their plan's last placement (for tests; those that placed it are
     /// `num_plan_placements` and `num_plan_placements_ahead`)
     pub(super) placed_again: u64,
+    /// (tests) looks at the blocks a start will find in the way, made ahead of it
+    /// (`plan_place_ahead`)
+    #[cfg(test)]
+    pub(super) looked_ahead: u64,
     /// (debug builds) a detector that notes every event as `note_large_event` does, with no
     /// quiet stretch: `plan_unskip` must give the detector back its last events as this one
     /// has them (in the unit tests, the replays of the real traces, the workload families
