@@ -447,14 +447,14 @@ impl Plan {
 struct PlaceAhead {
     around: Around,
     job: PlaceJob,
-    /// mended from an earlier placement ([`Plan::repaired`])
-    mended: bool,
 }
 
 #[derive(Debug)]
 enum PlaceJob {
     Thread(std::thread::JoinHandle<(Vec<u64>, u64)>),
     Done((Vec<u64>, u64)),
+    /// mended from an earlier placement ([`Plan::repaired`]), here
+    Mended((Vec<u64>, u64)),
     /// none made: the start will take its last or a kept placement as it is
     /// ([`Plan::placement_serving`]), which it checks again then
     Serving,

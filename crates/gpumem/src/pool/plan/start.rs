@@ -305,7 +305,8 @@ impl CachingPool {
             .take()
             .filter(|a| a.around == around)
             .and_then(|a| match a.job {
-                PlaceJob::Done(r) => Some((r, a.mended)),
+                PlaceJob::Done(r) => Some((r, false)),
+                PlaceJob::Mended(r) => Some((r, true)),
                 PlaceJob::Thread(h) => h.join().ok().map(|r| (r, false)),
                 PlaceJob::Serving => None,
             })
@@ -433,24 +434,15 @@ impl CachingPool {
         // the segment's blocks and the plan's slots, and traineval's replay made 8,162 of
         // them, 19 us each on the dev VM, where its plans waited for their starts)
         if p.placement_serving(&around, limit).is_some() {
-            let (job, mended) = (PlaceJob::Serving, false);
-            self.plans.plans[i].place_ahead = Some(PlaceAhead {
-                around,
-                job,
-                mended,
-            });
+            let job = PlaceJob::Serving;
+            self.plans.plans[i].place_ahead = Some(PlaceAhead { around, job });
             return;
         }
         let page = self.policy.page.unwrap_or(MIN_BLOCK);
         // (mended where that costs nothing: no thread)
         if let Some(r) = p.repaired(&around, limit, page) {
-            let job = PlaceJob::Done(r);
-            let mended = true;
-            self.plans.plans[i].place_ahead = Some(PlaceAhead {
-                around,
-                job,
-                mended,
-            });
+            let job = PlaceJob::Mended(r);
+            self.plans.plans[i].place_ahead = Some(PlaceAhead { around, job });
             return;
         }
         let (lives, period) = (p.layout.lives.clone(), p.pos.len() as u32);
@@ -470,12 +462,7 @@ impl CachingPool {
                 Err(_) => return,
             }
         };
-        let mended = false;
-        self.plans.plans[i].place_ahead = Some(PlaceAhead {
-            around,
-            job,
-            mended,
-        });
+        self.plans.plans[i].place_ahead = Some(PlaceAhead { around, job });
     }
 
     /// Take segment `seg` (at `addr`) over for plan `i`: its free blocks leave the free sets
