@@ -1568,6 +1568,52 @@ fn a_plan_taken_up_again_around_the_same_blocks_is_not_placed_again() {
     free(&mut p, weights);
 }
 
+/// A training step of a bucketed sequence length: a gradient buffer and the activations of
+/// its length, then an optimizer step that is the same for every length (it ends the step
+/// while the gradient buffer is still in use).
+fn bucket_step(p: &mut CachingPool, scale: u64) {
+    let grads = alloc(p, A, 4 * scale * MIB);
+    training_step(p, 6, scale);
+    for k in 0..20 {
+        let t = alloc(p, A, (1 + k) * MIB);
+        free(p, t);
+    }
+    free(p, grads);
+}
+
+/// A plan waiting for its start that the job's events find again only at a step's end,
+/// which steps of other lengths share (the optimizer step), makes no placement ahead of a
+/// start: the blocks the job allocated in that step are not the plan's.
+#[test]
+fn a_plan_found_again_in_another_steps_optimizer_step_is_not_placed_ahead() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let weights = alloc(&mut p, A, 300 * MIB);
+    for _ in 0..6 {
+        bucket_step(&mut p, 1);
+    }
+    assert!(p.stats().num_plan_allocs > 0, "{:?}", p.stats().num_plans);
+    let (looked, placed) = (p.plans.looked_ahead, p.plans.placed_ahead);
+    // lengths that never repeat a run of those before (a square-free word: no period), and
+    // never the planned one
+    for scale in [2, 3, 4, 2, 4, 3, 2, 3, 4, 3, 2, 4] {
+        bucket_step(&mut p, scale);
+    }
+    // (the plan looks at each of those steps' ends: its windows match there)
+    assert!(
+        p.plans.looked_ahead >= looked + 10,
+        "{}",
+        p.plans.looked_ahead
+    );
+    assert_eq!(p.plans.placed_ahead, placed);
+    // and back to the planned length: the plan serves it again
+    let served = p.stats().num_plan_allocs;
+    for _ in 0..3 {
+        bucket_step(&mut p, 1);
+    }
+    assert!(p.stats().num_plan_allocs > served);
+    free(&mut p, weights);
+}
+
 /// Free pages are movable while their physical handle holds nothing else, and stranded once a
 /// block in use covers part of that handle: an unmap covers whole handles.
 #[test]

@@ -458,6 +458,9 @@ enum PlaceJob {
     /// none made: the start will take its last or a kept placement as it is
     /// ([`Plan::placement_serving`]), which it checks again then
     Serving,
+    /// none made: the job's last period was not the plan's (`plan_followed`); a start, if
+    /// one comes, places it
+    OutOfStep,
 }
 
 /// A layout being computed off the allocating thread.
@@ -511,6 +514,10 @@ pub(super) struct Plans {
     /// (`plan_place_ahead`)
     #[cfg(test)]
     pub(super) looked_ahead: u64,
+    /// (tests) placements made ahead of a start, in full (on a thread, or inline on a
+    /// simulated device), taken or not
+    #[cfg(test)]
+    pub(super) placed_ahead: u64,
     /// (debug builds) a detector that notes every event as `note_large_event` does, with no
     /// quiet stretch: `plan_unskip` must give the detector back its last events as this one
     /// has them (in the unit tests, the replays of the real traces, the workload families

@@ -358,6 +358,11 @@ impl CachingPool {
         self.plan_unskip(i, self.stats.allocated_large());
         let now = self.plans.repeats.events();
         let p = &mut self.plans.plans[i];
+        // (a look that found the job in another period is forgotten with it: a later one
+        // may find it in this plan's)
+        if matches!(&p.place_ahead, Some(a) if matches!(a.job, PlaceJob::OutOfStep)) {
+            p.place_ahead = None;
+        }
         if p.seg != NIL {
             let short = now < p.since + p.pos.len() as u64;
             p.short_stays = if short { p.short_stays + 1 } else { 0 };

@@ -308,7 +308,7 @@ impl CachingPool {
                 PlaceJob::Done(r) => Some((r, false)),
                 PlaceJob::Mended(r) => Some((r, true)),
                 PlaceJob::Thread(h) => h.join().ok().map(|r| (r, false)),
-                PlaceJob::Serving => None,
+                PlaceJob::Serving | PlaceJob::OutOfStep => None,
             })
             .filter(|(r, _)| r.1.div_ceil(page).max(1) * page <= limit);
         let (offsets, total) = match ahead {
@@ -427,6 +427,14 @@ impl CachingPool {
         {
             self.plans.looked_ahead += 1;
         }
+        if !self.plan_followed(i, seg, n0) {
+            let job = PlaceJob::OutOfStep;
+            self.plans.plans[i].place_ahead = Some(PlaceAhead {
+                around: Around::default(),
+                job,
+            });
+            return;
+        }
         let around = self.plan_around(i, seg, n0, true);
         let limit = self.plan_worth_region(seg);
         // (none where the start will take its last placement or a kept one, as it is; that
@@ -447,6 +455,10 @@ impl CachingPool {
         }
         let (lives, period) = (p.layout.lives.clone(), p.pos.len() as u32);
         let (fixed, pinned) = around.clone();
+        #[cfg(test)]
+        {
+            self.plans.placed_ahead += 1;
+        }
         let place = move || place_at_start(&lives, period, &fixed, &pinned, limit);
         let job = if matches!(
             self.backend.location(),
@@ -463,6 +475,32 @@ impl CachingPool {
             }
         };
         self.plans.plans[i].place_ahead = Some(PlaceAhead { around, job });
+    }
+
+    /// Whether the blocks in use in plan `i`'s home segment `seg` that the job allocated in
+    /// the period before event `n0` (the plan's next start) lie at positions where the plan
+    /// allocates blocks of their sizes: the job did this plan's period. A cursor found again
+    /// from the window of the last events may have found only the end of a period that
+    /// another shares: a training step of another sequence length ends with the same
+    /// optimizer step. A placement made ahead for it would be made for nothing (buckets'
+    /// replay, the GPU 300 calls behind: 10 ms of one dev-VM core, at a start that never
+    /// came), and a start would find only the job's next step in step with the plan.
+    fn plan_followed(&self, i: usize, seg: u32, n0: u64) -> bool {
+        let p = &self.plans.plans[i];
+        let period = p.pos.len() as u64;
+        let mut id = self.segments[seg as usize].head;
+        while id != NIL {
+            let b = &self.blocks[id as usize];
+            let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
+            if b.state == State::Allocated && born != NONE && born < n0 && n0 - born <= period {
+                let k = p.pos[(born + period - n0) as usize].slot;
+                if k == NO_SLOT || p.layout.lives[k as usize].size != b.rounded {
+                    return false;
+                }
+            }
+            id = b.next;
+        }
+        true
     }
 
     /// Take segment `seg` (at `addr`) over for plan `i`: its free blocks leave the free sets
