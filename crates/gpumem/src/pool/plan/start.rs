@@ -482,9 +482,11 @@ impl CachingPool {
     /// allocates blocks of their sizes: the job did this plan's period. A cursor found again
     /// from the window of the last events may have found only the end of a period that
     /// another shares: a training step of another sequence length ends with the same
-    /// optimizer step. A placement made ahead for it would be made for nothing (buckets'
+    /// optimizer step. There the start comes only if the job's next step happens to be the
+    /// plan's, and a placement made ahead for it is mostly made for nothing (buckets'
     /// replay, the GPU 300 calls behind: 10 ms of one dev-VM core, at a start that never
-    /// came), and a start would find only the job's next step in step with the plan.
+    /// came). (This walks the segment's blocks as `plan_around` does after it; once per
+    /// wait for a start, as the look itself.)
     fn plan_followed(&self, i: usize, seg: u32, n0: u64) -> bool {
         let p = &self.plans.plans[i];
         let period = p.pos.len() as u64;
