@@ -295,7 +295,9 @@ impl Plan {
     }
 
     /// A placement for a start around `around`, mended from one this plan has made (its
-    /// last, then the kept ones: [`repair`]) where that spans no more than the one it was
+    /// last, then the kept ones: [`repair`]; at its first start, its layout's, made around
+    /// the blocks that stayed when it was planned, which mostly stay until the start) where
+    /// that spans no more than the one it was
     /// mended from, in whole pages of `page`, and fits `limit`; `None` where none does (the
     /// start is then placed anew). A mended placement costs no memory by construction, and
     /// one search per slot moved where a placement makes one per slot for each of its tries.
@@ -303,13 +305,10 @@ impl Plan {
     /// memory: traineval's replays went from 1.012 to 1.015 of their peak.)
     fn repaired(&self, around: &Around, limit: u64, page: u64) -> Option<(Vec<u64>, u64)> {
         let period = self.pos.len() as u32;
-        let last: Option<Vec<u64>> = self
-            .placed_around
-            .as_ref()
-            .map(|_| self.layout.slots.iter().map(|s| s.0).collect());
-        let last = last.as_deref().map(|o| (o, self.layout.region));
+        let last: Vec<u64> = self.layout.slots.iter().map(|s| s.0).collect();
         let kept = self.placed_before.iter().map(|b| (b.1.as_slice(), b.2));
-        last.into_iter().chain(kept).find_map(|(base, region)| {
+        let mut bases = std::iter::once((last.as_slice(), self.layout.region)).chain(kept);
+        bases.find_map(|(base, region)| {
             let (offsets, total, _) =
                 repair(&self.layout.lives, period, base, &around.0, &around.1);
             let spans = total.div_ceil(page).max(1) * page;

@@ -296,7 +296,7 @@ impl CachingPool {
                 .current
                 .is_some_and(|i| u64::from(self.plans.plans[i].layout.half) == period);
             if !followed && self.plans.planning.is_none() {
-                self.plan_start();
+                self.plan_start(free.then_some(id));
             }
         }
         self.plan_quiet_window();

@@ -3,10 +3,11 @@
 use super::*;
 
 impl CachingPool {
-    /// The detector found a period: plan it (on a thread of its own, except on a simulated
-    /// device, whose replays must give the same answer every time).
+    /// The detector found a period (at an allocation, or at the free of block `freeing`):
+    /// plan it (on a thread of its own, except on a simulated device, whose replays must
+    /// give the same answer every time).
     #[cold]
-    pub(super) fn plan_start(&mut self) {
+    pub(super) fn plan_start(&mut self, freeing: Option<u32>) {
         let period = self.plans.repeats.period();
         let Some(events) = self.plans.repeats.last(period) else {
             return;
@@ -30,7 +31,7 @@ impl CachingPool {
         // two periods where the detector still has them (see `layout`)
         let events = self.plans.repeats.last(2 * period).unwrap_or(events);
         let first = self.plans.repeats.events() - events.len() as u64;
-        let home = self.plan_home(stream, first);
+        let home = self.plan_home(stream, first, freeing);
         self.plans.planning_found = self.plans.repeats.found;
         if matches!(
             self.backend.location(),
@@ -52,8 +53,18 @@ impl CachingPool {
 
     /// The large expandable segment of `stream` with the most pages mapped, and its blocks in
     /// use that were allocated before event `first` (they stay: the job's long-lived tensors,
-    /// its weights and optimizer state); `None` where its blocks were lent to other streams.
-    pub(super) fn plan_home(&self, stream: Stream, first: u64) -> Option<Home> {
+    /// its weights and optimizer state), but block `freeing`, whose free found the period
+    /// (still in use until the free ends, and no longer known by its allocation's event: the
+    /// step's last free, of logits or a gradient buffer the step allocated first; left in,
+    /// the layout was placed around it, and the plan's first start placed anew where it was
+    /// gone: buckets' 500 MiB of logits took the layout from 9,133 to 9,636 MiB, past the
+    /// most its region could span); `None` where its blocks were lent to other streams.
+    pub(super) fn plan_home(
+        &self,
+        stream: Stream,
+        first: u64,
+        freeing: Option<u32>,
+    ) -> Option<Home> {
         let seg = self
             .segment_index
             .values()
@@ -74,6 +85,7 @@ impl CachingPool {
             }
             let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
             let stays = match b.state {
+                State::Allocated if freeing == Some(id) => false,
                 State::Allocated => born == NONE || born < first,
                 State::Pending => true,
                 _ => false,
@@ -264,8 +276,8 @@ impl CachingPool {
     /// the most a region may span now, as is one made ahead. The placement made ahead of the
     /// start (`plan_place_ahead`) is taken where it was made around the same blocks (its
     /// thread joined if it has not finished); else one is mended from an earlier placement
-    /// where that spans no more ([`Plan::repaired`]), or made here, on the allocating thread
-    /// (the orders of [`place`], side by side).
+    /// (at the first start, the layout) where that spans no more ([`Plan::repaired`]), or
+    /// made here, on the allocating thread (the orders of [`place`], side by side).
     pub(super) fn plan_place_at_start(&mut self, i: usize, seg: u32) {
         self.flush_quick();
         let limit = self.plan_worth_region(seg);
