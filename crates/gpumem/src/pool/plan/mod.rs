@@ -297,9 +297,8 @@ impl Plan {
     /// A placement for a start around `around`, mended from one this plan has made (its
     /// last, then the kept ones: [`repair`]; at its first start, its layout's, made around
     /// the blocks that stayed when it was planned, which mostly stay until the start) where
-    /// that spans no more than the one it was
-    /// mended from, in whole pages of `page`, and fits `limit`; `None` where none does (the
-    /// start is then placed anew). A mended placement costs no memory by construction, and
+    /// that spans no more than the one it was mended from, in whole pages of `page`, and
+    /// fits `limit`; `None` where none does (the start is then placed anew). A mended placement costs no memory by construction, and
     /// one search per slot moved where a placement makes one per slot for each of its tries.
     /// (Accepting one that spans a little more, within [`NEAR_BOUND`] of the bound, cost
     /// memory: traineval's replays went from 1.012 to 1.015 of their peak.)
