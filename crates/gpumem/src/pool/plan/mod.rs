@@ -298,8 +298,9 @@ impl Plan {
     /// last, then the kept ones: [`repair`]; at its first start, its layout's, made around
     /// the blocks that stayed when it was planned, which mostly stay until the start) where
     /// that spans no more than the one it was mended from, in whole pages of `page`, and
-    /// fits `limit`; `None` where none does (the start is then placed anew). A mended placement costs no memory by construction, and
-    /// one search per slot moved where a placement makes one per slot for each of its tries.
+    /// fits `limit`; `None` where none does (the start is then placed anew). A mended
+    /// placement costs no memory by construction, and one search per slot moved where a
+    /// placement makes one per slot for each of its tries.
     /// (Accepting one that spans a little more, within [`NEAR_BOUND`] of the bound, cost
     /// memory: traineval's replays went from 1.012 to 1.015 of their peak.)
     fn repaired(&self, around: &Around, limit: u64, page: u64) -> Option<(Vec<u64>, u64)> {
