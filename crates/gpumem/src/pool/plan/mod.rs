@@ -386,6 +386,16 @@ impl Plan {
         }
     }
 
+    /// The slot the plan allocates at the position of event `born` (`NONE`: none), where the
+    /// job made that event in the period before event `n0` (the plan's next start: `born`
+    /// in `[n0 - period, n0)`, the period's first position included); `Some(NO_SLOT)` where
+    /// the plan allocates nothing there (a free), `None` where `born` lies outside.
+    pub(super) fn slot_born(&self, born: u64, n0: u64) -> Option<u32> {
+        let period = self.pos.len() as u64;
+        (born != NONE && born < n0 && n0 - born <= period)
+            .then(|| self.pos[(born + period - n0) as usize].slot)
+    }
+
     /// The position equivalent to `c` from which the plan's start, the only place it is
     /// taken up, comes soonest. A plan of two periods indexes the first one's positions, and
     /// its second period repeats them: the job is followed in the second period's copy (or

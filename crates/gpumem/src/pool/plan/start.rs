@@ -396,8 +396,8 @@ impl CachingPool {
             if matches!(b.state, State::Allocated | State::Pending) {
                 let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
                 // its slot, if the plan allocated it in the last period
-                let life = (born != NONE && born < n0 && n0 - born < period)
-                    .then(|| p.pos[(period - (n0 - born)) as usize].slot)
+                let life = p
+                    .slot_born(born, n0)
                     .filter(|&k| k != NO_SLOT)
                     .map(|k| (k as usize, &p.layout.lives[k as usize]))
                     .filter(|(_, l)| l.size == b.rounded && b.state == State::Allocated);
@@ -501,16 +501,15 @@ impl CachingPool {
     /// wait for a start, as the look itself.)
     fn plan_followed(&self, i: usize, seg: u32, n0: u64) -> bool {
         let p = &self.plans.plans[i];
-        let period = p.pos.len() as u64;
         let mut id = self.segments[seg as usize].head;
         while id != NIL {
             let b = &self.blocks[id as usize];
             let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
-            if b.state == State::Allocated && born != NONE && born < n0 && n0 - born <= period {
-                let k = p.pos[(born + period - n0) as usize].slot;
-                if k == NO_SLOT || p.layout.lives[k as usize].size != b.rounded {
-                    return false;
-                }
+            let slot = (b.state == State::Allocated)
+                .then(|| p.slot_born(born, n0))
+                .flatten();
+            if slot.is_some_and(|k| k == NO_SLOT || p.layout.lives[k as usize].size != b.rounded) {
+                return false;
             }
             id = b.next;
         }

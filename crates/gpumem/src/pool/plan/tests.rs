@@ -522,3 +522,33 @@ fn a_layout_made_upside_down_keeps_the_live_blocks_where_they_lie() {
     }
     assert!(made >= 40, "{made} of 60 made");
 }
+
+/// The slot of an event the job made in the period before a start (`Plan::slot_born`, which
+/// `plan_around` and `plan_followed` share): the period's first position included, an event
+/// a period earlier or at the start itself not.
+#[test]
+fn an_event_of_the_period_before_a_start_finds_its_slot_first_position_included() {
+    let mib = 1u64 << 20;
+    // a period of 4 events: two allocations (slots 0 and 1), then their frees
+    let layout = Layout {
+        prints: vec![11, 12, 13, 14],
+        slot_at: vec![0, 1, NO_SLOT, NO_SLOT],
+        slots: vec![(0, mib), (mib, mib)],
+        lives: vec![life(mib, 0, 2), life(mib, 1, 3)],
+        region: 2 * mib,
+        half: 4,
+        seen: 0,
+        origin: 0,
+        home: None,
+        stream: Stream::DEFAULT,
+    };
+    let p = Plan::new(layout);
+    let n0 = 100;
+    assert_eq!(p.slot_born(96, n0), Some(0), "the period's first position");
+    assert_eq!(p.slot_born(97, n0), Some(1));
+    assert_eq!(p.slot_born(98, n0), Some(NO_SLOT), "a free's position");
+    assert_eq!(p.slot_born(99, n0), Some(NO_SLOT));
+    assert_eq!(p.slot_born(95, n0), None, "a period earlier");
+    assert_eq!(p.slot_born(100, n0), None, "at the start");
+    assert_eq!(p.slot_born(NONE, n0), None, "no event");
+}
