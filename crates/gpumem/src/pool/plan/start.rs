@@ -505,10 +505,9 @@ impl CachingPool {
         while id != NIL {
             let b = &self.blocks[id as usize];
             let born = self.plans.born.get(id as usize).copied().unwrap_or(NONE);
-            let slot = (b.state == State::Allocated)
-                .then(|| p.slot_born(born, n0))
-                .flatten();
-            if slot.is_some_and(|k| k == NO_SLOT || p.layout.lives[k as usize].size != b.rounded) {
+            let not_the_plans =
+                |k: u32| k == NO_SLOT || p.layout.lives[k as usize].size != b.rounded;
+            if b.state == State::Allocated && p.slot_born(born, n0).is_some_and(not_the_plans) {
                 return false;
             }
             id = b.next;
