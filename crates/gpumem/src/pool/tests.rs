@@ -1265,6 +1265,45 @@ fn a_plan_that_keeps_losing_the_job_at_once_is_forgotten() {
     assert_eq!(p.stats().num_plan_allocs, planned);
 }
 
+/// A job whose repetition never lasts: twelve short patterns by turns, each repeated twice
+/// in a row, then not before the others have been (an inference loop whose residual
+/// blocks of one width repeat twice, inside a longer step: `bench_torch.py`'s sample job made
+/// 47 plans in 30 requests). Each pattern is found and planned, and the plan is given up
+/// (made room for) before it serves a whole cycle in a region; once such plans pass
+/// `MAX_WASTED` and outnumber those that served, the job gets no new plan, and goes on in the
+/// dynamic pool.
+#[test]
+fn a_job_whose_plans_never_serve_a_whole_cycle_stops_being_planned() {
+    let (mut p, _dev) = pool_with(1 << 40, "expandable_segments:True,planned_layout:True");
+    let pattern = |k: u64| -> Vec<u64> { (0..16).map(|i| 2 + (i * 7 + k * 5) % 31).collect() };
+    for round in 0..4 {
+        for k in 0..12 {
+            for _ in 0..2 {
+                stack_step(&mut p, &pattern(k), None);
+            }
+        }
+        if round == 0 {
+            assert!(
+                p.stats().num_plans > 8,
+                "each pattern planned: {:?}",
+                p.stats()
+            );
+        }
+    }
+    let s = p.stats();
+    println!(
+        "{} plans, {} wasted, {} served",
+        s.num_plans, p.plans.wasted, p.plans.useful
+    );
+    assert!(
+        s.num_plans <= u64::from(plan::MAX_WASTED) + plan::MAX_PLANS as u64,
+        "{} plans made for 48 patterns: {s:?}",
+        s.num_plans
+    );
+    assert!(p.plans.wasted >= plan::MAX_WASTED && p.plans.wasted > p.plans.useful);
+    p.check_invariants().unwrap();
+}
+
 /// A pool that ran six training steps of one shape, then six of twice the sizes: a plan for
 /// each phase, the job in step with the second.
 fn two_phases() -> (CachingPool, Arc<SimulatedDevice>) {

@@ -63,11 +63,18 @@ const MEETING_COST: u64 = 46;
 /// too: a job's sequence of random sizes over 256 live blocks, 21,681 allocations a period.
 const MAX_WORK: u64 = 8_192 * 8_192 + MEETING_COST * (8_192 * 8_193 / 2);
 /// Plans kept at once (phases of a job); beyond, the one used longest ago is dissolved.
-const MAX_PLANS: usize = 4;
+pub(super) const MAX_PLANS: usize = 4;
 /// Times in a row a plan may take its region and lose the job before one whole cycle of its
 /// events; then it is dissolved (a plan whose first events match another phase's would
 /// otherwise take its region at every step of that phase and leave it a few events later).
 const MAX_SHORT_STAYS: u32 = 3;
+/// Plans given up before they served a whole cycle in their region (dropped after short
+/// stays, or made room for before they ever did) past which, while they outnumber the plans
+/// that did, the job gets no new plan: its repetition does not last long enough for one to
+/// pay (an inference loop whose two residual blocks of one width in a row repeat, a period
+/// of 20 events, inside a denoising step of 208: 47 plans made in 30 requests on an H200,
+/// each taking its region and leaving it within a step). The plans it has stay.
+pub(super) const MAX_WASTED: u32 = 2 * MAX_PLANS as u32;
 /// Tries a plan makes at giving back the pages of its region that none of its slots uses, a
 /// cycle of its events apart (see `plan_settled`).
 const GIVE_BACK_TRIES: u32 = 3;
@@ -222,6 +229,8 @@ pub(super) struct Plan {
     since: u64,
     /// times in a row it left its region before a whole cycle (see [`MAX_SHORT_STAYS`])
     short_stays: u32,
+    /// it has served a whole cycle in its region (see [`MAX_WASTED`])
+    stayed: bool,
     /// giving back the pages of its region that none of its slots uses (`plan_settled`)
     give_back: GiveBack,
     /// per slot, the detector's event count when it was last taken, and the block it was
@@ -366,6 +375,7 @@ impl Plan {
             declines: 0,
             since: 0,
             short_stays: 0,
+            stayed: false,
             give_back: GiveBack {
                 tries: GIVE_BACK_TRIES,
                 ..GiveBack::default()
@@ -510,6 +520,10 @@ pub(super) struct Plans {
     planning_found: u64,
     /// detector confirmations already acted on
     seen: u64,
+    /// plans given up before they served a whole cycle in their region, and plans that
+    /// served one (see [`MAX_WASTED`])
+    pub(super) wasted: u32,
+    pub(super) useful: u32,
     /// events before which `note_quiet` needs to look no further than the block: the current
     /// plan is idle, no give-back is due and the detector is quiet from the event after the
     /// last `note_large_event` until then (0: look; see [`CachingPool::plan_quiet_window`])
@@ -551,6 +565,12 @@ impl Plans {
     #[inline]
     pub(super) fn busy(&self) -> bool {
         !self.plans.is_empty() || self.planning.is_some()
+    }
+
+    /// Whether a new plan may be made: plans given up before they served do not outnumber
+    /// those that served, or are fewer than [`MAX_WASTED`].
+    pub(super) fn may_plan(&self) -> bool {
+        self.wasted < MAX_WASTED || self.wasted <= self.useful
     }
 
     /// Whether the job has repeated: the detector has found a period (its warm-up is over).

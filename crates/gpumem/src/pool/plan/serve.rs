@@ -261,6 +261,9 @@ impl CachingPool {
             let (idle, due) = self.plans.plans[i].idle_and_due(self.plans.repeats.events());
             (idle, idle && due)
         });
+        if let Some(i) = self.plans.current.filter(|_| idle) {
+            self.plan_stayed(i);
+        }
         if settled && self.plans.plans.len() == 1 {
             self.plan_settled();
         }
@@ -295,7 +298,7 @@ impl CachingPool {
                 .plans
                 .current
                 .is_some_and(|i| u64::from(self.plans.plans[i].layout.half) == period);
-            if !followed && self.plans.planning.is_none() {
+            if !followed && self.plans.planning.is_none() && self.plans.may_plan() {
                 self.plan_start(free.then_some(id));
             }
         }
@@ -348,6 +351,27 @@ impl CachingPool {
         );
     }
 
+    /// Plan `i` has served a whole cycle in its region: counted once (see [`MAX_WASTED`]).
+    #[inline]
+    pub(super) fn plan_stayed(&mut self, i: usize) {
+        let p = &mut self.plans.plans[i];
+        if !p.stayed {
+            p.stayed = true;
+            self.plans.useful += 1;
+        }
+    }
+
+    /// Plan `i` is about to be given up (dropped, or made room for): counted as wasted if it
+    /// never served a whole cycle in its region (see [`MAX_WASTED`]).
+    pub(super) fn plan_given_up(&mut self, i: usize) {
+        let (idle, _) = self.plans.plans[i].idle_and_due(self.plans.repeats.events());
+        if idle {
+            self.plan_stayed(i);
+        } else if !self.plans.plans[i].stayed {
+            self.plans.wasted += 1;
+        }
+    }
+
     /// The job left plan `i`'s steps (an evaluation step, a new shape): the plan leaves its
     /// region at once, so that the dynamic pool has its memory, and waits dormant for the
     /// job to come back to it; unless it has lost the job before one whole cycle of its events
@@ -368,6 +392,7 @@ impl CachingPool {
             p.short_stays = if short { p.short_stays + 1 } else { 0 };
             if p.short_stays >= MAX_SHORT_STAYS {
                 self.stats.num_plans_dropped += 1;
+                self.plan_given_up(i);
                 self.plan_dissolve(i);
                 return;
             }

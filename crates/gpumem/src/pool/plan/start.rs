@@ -138,6 +138,7 @@ impl CachingPool {
             let old = (0..self.plans.plans.len())
                 .min_by_key(|&i| self.plans.plans[i].used)
                 .expect("MAX_PLANS > 0");
+            self.plan_given_up(old);
             self.plan_dissolve(old);
             before = before
                 .filter(|&b| b != old)
