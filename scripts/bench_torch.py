@@ -114,7 +114,7 @@ TIME_KEYS = ("page_map_ns", "vmm_wait_ns", "vmm_unmap_ns", "vmm_map_ns", "vmm_ac
              "host_alloc_ns", "host_free_ns")
 WORKLOADS = ["gpt", "gptfix", "vit", "varlen", "resnet", "kv", "mixed", "moe", "resres", "serve", "streams",
              "accum", "unet", "lora", "prefill", "phases", "traineval", "buckets", "detect", "effnet",
-             "emptycache", "points", "bertamp", "offload", "lstm", "sample"]
+             "emptycache", "points", "bertamp", "offload", "lstm", "sample", "compiled"]
 # workloads timed as a whole run (no steps)
 WHOLE_RUN = ("kv", "serve")
 
@@ -875,6 +875,34 @@ def run_sample(torch, steps, iters=10):
         yield x.sum()
 
 
+def run_compiled(torch, steps, B=8, T=512):
+    """GPT training (6 layers, d 768, batch 8 x 512 tokens, bf16 autocast) with the loss under
+    `torch.compile(mode="reduce-overhead")`: CUDA graphs, replayed from a private pool of the
+    allocator's, each step after the first few; AdamW outside the graphs."""
+    m = decoder(torch, d=768, layers=6)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(T, device="cuda")
+
+    def loss_of(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = m["body"](m["emb"](x), mask=mask, is_causal=True)
+            logits = m["head"](h)
+            return torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)
+            )
+
+    f = torch.compile(loss_of, mode="reduce-overhead")
+    g = torch.Generator().manual_seed(16)
+    for _ in range(steps):
+        x = torch.randint(0, 32000, (B, T), generator=g).cuda()
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = f(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        yield loss.detach()
+
+
 def workload_steps(torch, workload, steps):
     """The steps of `workload` (a generator: each step yields its loss, or a total)."""
     return {
@@ -904,6 +932,7 @@ def workload_steps(torch, workload, steps):
         "offload": lambda: run_offload(torch, steps),
         "lstm": lambda: run_lstm(torch, steps),
         "sample": lambda: run_sample(torch, steps),
+        "compiled": lambda: run_compiled(torch, steps),
     }[workload]()
 
 
