@@ -439,7 +439,9 @@ impl CachingAllocator {
     }
 
     /// Statistics over all shards. Currents and totals are exact; `reserved_bytes.all.peak` is
-    /// exact; other peaks are exact with one shard in use, an upper bound otherwise.
+    /// exact, and so is `allocated_bytes.all.peak` with one shard, private pools or not (see
+    /// `SharedCounters::tracking`); other peaks are exact with one shard and no private pool,
+    /// an upper bound otherwise.
     pub fn stats(&self) -> Stats {
         let mut total = Stats::default();
         for j in 0..self.inner.shards.len() {
@@ -447,6 +449,11 @@ impl CachingAllocator {
         }
         self.private_stats(&mut total);
         total.reserved_bytes.all.peak = self.inner.shared.peak_reserved.load(Ordering::Relaxed);
+        if self.inner.shared.tracking.load(Ordering::Acquire) {
+            // (private pools: their own peaks and the shards' came at other times)
+            total.allocated_bytes.all.peak =
+                self.inner.shared.peak_allocated.load(Ordering::Relaxed);
+        }
         total.num_pressure_releases = self.inner.pressure.releases.load(Ordering::Relaxed);
         total.host_alloc_ns = self.inner.alloc_ns.load(Ordering::Relaxed);
         total.host_free_ns = self.inner.free_ns.load(Ordering::Relaxed);
@@ -489,6 +496,10 @@ impl CachingAllocator {
             self.shard(j).reset_peak();
         }
         self.private_reset_peak();
+        let shared = &self.inner.shared;
+        shared
+            .peak_allocated
+            .store(shared.allocated.load(Ordering::Relaxed), Ordering::Relaxed);
         let now = self.inner.shared.reserved.load(Ordering::Relaxed);
         self.inner
             .shared
