@@ -337,7 +337,6 @@ impl CachingAllocator {
         drop(gone); // outside the lock: dropping frees the segments
     }
 
-    /// Merge the private pools' statistics into `total`.
     /// From now on, the bytes allocated in all the pools together and their peak are kept
     /// (`SharedCounters::tracking`): the first private pool is about to be made. Every shard
     /// is held while the count starts (from the bytes allocated now and the shards' peaks, a
@@ -373,6 +372,7 @@ impl CachingAllocator {
         shared.tracking.store(true, Ordering::Release);
     }
 
+    /// Merge the private pools' statistics into `total`.
     pub(super) fn private_stats(&self, total: &mut Stats) {
         for p in self.inner.private.lock().iter() {
             total.merge(&p.pool.stats());

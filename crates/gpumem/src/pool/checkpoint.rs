@@ -152,9 +152,7 @@ impl CachingPool {
             let b = &self.blocks[id as usize];
             let (kind, size, req, stream) = (b.kind, b.size, b.requested, b.stream);
             self.stats.on_free(kind, size, req, false);
-            if self.shared.tracking.load(Ordering::Relaxed) {
-                self.shared.note_freed(size);
-            }
+            self.shared.on_free(size);
             self.count_live(stream, false);
             self.record(Action::FreeRequested, addr, req, stream);
             self.record(Action::FreeCompleted, addr, req, stream);
@@ -184,9 +182,7 @@ impl CachingPool {
                         (b.addr, b.size, b.kind, b.requested, b.stream);
                     self.live.insert(addr, id);
                     self.stats.on_alloc(kind, bsize, req);
-                    if self.shared.tracking.load(Ordering::Relaxed) {
-                        self.shared.note_allocated(bsize);
-                    }
+                    self.shared.on_alloc(bsize);
                     self.count_live(stream, true);
                     self.record(Action::Alloc, addr, req, stream);
                     allocated.push((addr, req));

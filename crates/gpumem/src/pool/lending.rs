@@ -124,17 +124,13 @@ impl CachingPool {
                 uses.push(user);
             }
             self.stats.on_free(kind, size, req, true);
-            if self.shared.tracking.load(Ordering::Relaxed) {
-                self.shared.note_freed(size);
-            }
+            self.shared.on_free(size);
             self.record(Action::FreeRequested, addr, req, user);
             self.wait_for_uses(id);
             return Ok(());
         }
         self.stats.on_free(kind, size, req, false);
-        if self.shared.tracking.load(Ordering::Relaxed) {
-            self.shared.note_freed(size);
-        }
+        self.shared.on_free(size);
         if self.recorder.is_some() {
             self.record(Action::FreeRequested, addr, req, user);
             self.record(Action::FreeCompleted, addr, req, user);

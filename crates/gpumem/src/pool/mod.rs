@@ -221,18 +221,32 @@ impl std::fmt::Debug for SegmentHooks {
 }
 
 impl SharedCounters {
-    /// `n` bytes handed out by any pool (while `tracking`).
+    /// `n` bytes handed out by a pool: counted across pools while `tracking`.
+    #[inline(always)]
+    pub(crate) fn on_alloc(&self, n: u64) {
+        if self.tracking.load(Ordering::Relaxed) {
+            self.note_allocated(n);
+        }
+    }
+
+    /// `n` bytes returned to a pool: counted across pools while `tracking`.
+    #[inline(always)]
+    pub(crate) fn on_free(&self, n: u64) {
+        if self.tracking.load(Ordering::Relaxed) {
+            self.note_freed(n);
+        }
+    }
+
     #[cold]
-    pub(crate) fn note_allocated(&self, n: u64) {
+    fn note_allocated(&self, n: u64) {
         let now = self.allocated.fetch_add(n, Ordering::Relaxed) + n;
         if now > self.peak_allocated.load(Ordering::Relaxed) {
             self.peak_allocated.fetch_max(now, Ordering::Relaxed);
         }
     }
 
-    /// `n` bytes returned to any pool (while `tracking`).
     #[cold]
-    pub(crate) fn note_freed(&self, n: u64) {
+    fn note_freed(&self, n: u64) {
         let _ = self
             .allocated
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |a| {

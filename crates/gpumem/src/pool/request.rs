@@ -96,9 +96,7 @@ impl CachingPool {
             self.live.insert(addr, id);
         }
         self.stats.on_alloc(kind, bsize, req);
-        if self.shared.tracking.load(Ordering::Relaxed) {
-            self.shared.note_allocated(bsize);
-        }
+        self.shared.on_alloc(bsize);
         debug_assert!(
             self.blocks[id as usize].stream == stream || self.lent.get(&id) == Some(&stream),
             "a block handed out to a stream neither owns nor borrows it"
@@ -319,9 +317,7 @@ impl CachingPool {
         let (kind, size, req, rounded) = (b.kind, b.size, b.requested, b.rounded);
         let deferred = b.uses.is_some();
         self.stats.on_free(kind, size, req, deferred);
-        if self.shared.tracking.load(Ordering::Relaxed) {
-            self.shared.note_freed(size);
-        }
+        self.shared.on_free(size);
         if self.recorder.is_some() {
             let (addr, stream) = (b.addr, b.stream);
             self.record(Action::FreeRequested, addr, req, stream);
