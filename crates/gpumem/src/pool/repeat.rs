@@ -226,6 +226,14 @@ impl Repeats {
         self.skipped = None;
     }
 
+    /// The last events and the rolling hash forgotten: where a quiet stretch is not given
+    /// back, the detector starts afresh (see [`Repeats::skip`]); debug builds' shadow
+    /// detector forgets with it.
+    pub(super) fn forget_recent(&mut self) {
+        self.recent.fill(Entry::EMPTY);
+        self.hash = 0;
+    }
+
     /// Whether the last events and the rolling hash are those of `other` (a detector that
     /// noted every event: see the pool's tests of `plan_unskip`).
     #[cfg(debug_assertions)]
@@ -280,8 +288,7 @@ impl Repeats {
         if self.skipped.take().is_some() {
             // (after a quiet stretch not given back: the last events are not known, see
             // `skip`)
-            self.recent.fill(Entry::EMPTY);
-            self.hash = 0;
+            self.forget_recent();
             self.unwritten = Some(n);
             self.valid_from = n;
         }

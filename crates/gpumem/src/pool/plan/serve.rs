@@ -433,6 +433,9 @@ impl CachingPool {
         let Some(back) = self.plan_events(i, from, live) else {
             #[cfg(debug_assertions)]
             {
+                // (the detector starts afresh at its next event, and so does the shadow:
+                // a later give-back is checked against what the detector can know)
+                self.plans.shadow.forget_recent();
                 self.plans.unskipped.1 += 1;
             }
             return;
